@@ -1,0 +1,8 @@
+// fusetrain's C++ API in one include.
+#pragma once
+
+#include <fusetrain/amp/float32_module.h>
+#include <fusetrain/amp/grad_scaler.h>
+#include <fusetrain/amp/policy.h>
+#include <fusetrain/ops/amp.h>
+#include <fusetrain/version.h>

@@ -1,0 +1,230 @@
+// Mixed-precision ops: the dispatcher entry points, argument checks, the CPU
+// implementations (also the reference the CUDA kernels are tested against)
+// and the Meta ones used by torch.compile's tracing.
+#include <fusetrain/ops/amp.h>
+#include <fusetrain/ops/checks.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cmath>
+
+namespace fusetrain::ops {
+
+namespace {
+constexpr const char* kUnscaleOp = "fusetrain::non_finite_check_and_unscale_";
+constexpr const char* kUpdateOp = "fusetrain::update_scale_";
+// Elements per unit of parallel work: large enough to amortise scheduling,
+// small enough that 200 mid-sized tensors spread over every thread.
+constexpr int64_t kCpuChunk = 32768;
+}  // namespace
+
+void check_unscale_args(at::TensorList tensors, const at::Tensor& found_inf,
+                        const at::Tensor& inv_scale) {
+  check_scalar_tensor(found_inf, kUnscaleOp, "found_inf", at::kFloat);
+  check_scalar_tensor(inv_scale, kUnscaleOp, "inv_scale", at::kFloat);
+  check_same_device(inv_scale, found_inf, kUnscaleOp, "inv_scale", "found_inf");
+  check_float_list(tensors, found_inf.device(), kUnscaleOp, "self");
+}
+
+void check_update_scale_args(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                             const at::Tensor& overflow_tracker, const at::Tensor& found_inf,
+                             double growth_factor, double backoff_factor, int64_t growth_interval,
+                             double max_scale, int64_t hysteresis) {
+  check_scalar_tensor(scale, kUpdateOp, "self (the scale)", at::kFloat);
+  check_scalar_tensor(growth_tracker, kUpdateOp, "growth_tracker", at::kInt);
+  check_scalar_tensor(overflow_tracker, kUpdateOp, "overflow_tracker", at::kInt);
+  check_scalar_tensor(found_inf, kUpdateOp, "found_inf", at::kFloat);
+  check_same_device(growth_tracker, scale, kUpdateOp, "growth_tracker", "the scale");
+  check_same_device(overflow_tracker, scale, kUpdateOp, "overflow_tracker", "the scale");
+  check_same_device(found_inf, scale, kUpdateOp, "found_inf", "the scale");
+  TORCH_CHECK(growth_factor > 1.0, kUpdateOp, ": growth_factor must be > 1, got ", growth_factor);
+  TORCH_CHECK(backoff_factor > 0.0 && backoff_factor < 1.0, kUpdateOp,
+              ": backoff_factor must be in (0, 1), got ", backoff_factor);
+  TORCH_CHECK(growth_interval > 0, kUpdateOp, ": growth_interval must be > 0, got ",
+              growth_interval);
+  TORCH_CHECK(max_scale > 0.0, kUpdateOp, ": max_scale must be > 0, got ", max_scale);
+  TORCH_CHECK(hysteresis >= 0, kUpdateOp, ": hysteresis must be >= 0, got ", hysteresis);
+}
+
+void non_finite_check_and_unscale_(at::TensorList tensors, at::Tensor& found_inf,
+                                   const at::Tensor& inv_scale) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow(kUnscaleOp, "")
+                       .typed<void(at::TensorList, at::Tensor&, const at::Tensor&)>();
+  op.call(tensors, found_inf, inv_scale);
+}
+
+at::Tensor& update_scale_(at::Tensor& scale, at::Tensor& growth_tracker,
+                          at::Tensor& overflow_tracker, const at::Tensor& found_inf,
+                          const ScaleUpdateOptions& o) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow(kUpdateOp, "")
+                       .typed<at::Tensor&(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+                                          double, double, int64_t, double, int64_t)>();
+  return op.call(scale, growth_tracker, overflow_tracker, found_inf, o.growth_factor,
+                 o.backoff_factor, o.growth_interval, o.max_scale, o.hysteresis);
+}
+
+namespace {
+
+// Unscales x[0, n) in place (when `scale` is set) and returns true if any
+// element was inf or NaN. Non-finite detection is branch-free: x * 0 is 0 for
+// finite x and NaN otherwise, and NaN survives the running sum.
+template <typename T>
+bool unscale_span(T* x, int64_t n, float inv, bool scale) {
+  using Vec = at::vec::Vectorized<float>;
+  const Vec vinv(inv);
+  const Vec zero(0.f);
+  Vec probe(0.f);
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; i + Vec::size() <= n; i += Vec::size()) {
+      Vec v = Vec::loadu(x + i);
+      probe = probe + v * zero;
+      if (scale) (v * vinv).store(x + i);
+    }
+  } else if constexpr (std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>) {
+    using VecT = at::vec::Vectorized<T>;
+    for (; i + VecT::size() <= n; i += VecT::size()) {
+      auto [lo, hi] = at::vec::convert_to_float<T>(VecT::loadu(x + i));
+      probe = probe + lo * zero + hi * zero;
+      if (scale) at::vec::convert_from_float<T>(lo * vinv, hi * vinv).store(x + i);
+    }
+  }
+  float tail_probe = 0.f;
+  if constexpr (std::is_same_v<T, double>) {
+    double dprobe = 0.0;
+    const double dinv = inv;
+    for (; i < n; ++i) {
+      dprobe += x[i] * 0.0;
+      if (scale) x[i] = x[i] * dinv;
+    }
+    return std::isnan(dprobe);
+  } else {
+    for (; i < n; ++i) {
+      const float v = static_cast<float>(x[i]);
+      tail_probe += v * 0.f;
+      if (scale) x[i] = static_cast<T>(v * inv);
+    }
+    float lanes[Vec::size()];
+    probe.store(lanes);
+    for (float lane : lanes) tail_probe += lane;
+    return std::isnan(tail_probe);
+  }
+}
+
+bool unscale_span_dispatch(const at::Tensor& t, int64_t begin, int64_t end, float inv, bool scale) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return unscale_span(t.data_ptr<float>() + begin, end - begin, inv, scale);
+    case at::kHalf:
+      return unscale_span(t.data_ptr<c10::Half>() + begin, end - begin, inv, scale);
+    case at::kBFloat16:
+      return unscale_span(t.data_ptr<c10::BFloat16>() + begin, end - begin, inv, scale);
+    case at::kDouble:
+      return unscale_span(t.data_ptr<double>() + begin, end - begin, inv, scale);
+    default:
+      TORCH_CHECK(false, kUnscaleOp, ": unsupported dtype ", t.scalar_type());
+  }
+}
+
+// One parallel pass over all tensors: the work is cut into chunks across tensor
+// boundaries so that many small tensors still keep every thread busy.
+void unscale_cpu(at::TensorList tensors, at::Tensor& found_inf, const at::Tensor& inv_scale) {
+  check_unscale_args(tensors, found_inf, inv_scale);
+  TORCH_CHECK(found_inf.is_cpu(), kUnscaleOp, ": the CPU kernel got found_inf on ",
+              found_inf.device());
+  const float inv = *inv_scale.const_data_ptr<float>();
+  const bool scale = inv != 1.f;
+
+  struct Chunk {
+    int32_t tensor;
+    int64_t begin, end;
+  };
+  std::vector<Chunk> chunks;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    if (t.numel() == 0) continue;
+    if (!t.is_non_overlapping_and_dense()) {
+      // Rare (a gradient that is a strided view): elementwise ops keep it correct.
+      found_inf.masked_fill_(at::isfinite(t).all().logical_not(), 1.f);
+      if (scale) t.mul_(inv_scale);
+      continue;
+    }
+    // Dense: the elements are one contiguous storage span starting at data_ptr
+    // once strides are ignored, which elementwise work may do.
+    for (int64_t b = 0; b < t.numel(); b += kCpuChunk) {
+      chunks.push_back({static_cast<int32_t>(i), b, std::min(b + kCpuChunk, t.numel())});
+    }
+  }
+  std::atomic<bool> found{false};
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
+    bool local = false;
+    for (int64_t c = lo; c < hi; ++c) {
+      const Chunk& ch = chunks[c];
+      local |= unscale_span_dispatch(tensors[ch.tensor], ch.begin, ch.end, inv, scale);
+    }
+    if (local) found.store(true, std::memory_order_relaxed);
+  });
+  if (found.load()) found_inf.fill_(1.f);
+}
+
+at::Tensor& update_scale_cpu(at::Tensor& scale, at::Tensor& growth_tracker,
+                             at::Tensor& overflow_tracker, const at::Tensor& found_inf,
+                             double growth_factor, double backoff_factor, int64_t growth_interval,
+                             double max_scale, int64_t hysteresis) {
+  check_update_scale_args(scale, growth_tracker, overflow_tracker, found_inf, growth_factor,
+                          backoff_factor, growth_interval, max_scale, hysteresis);
+  TORCH_CHECK(scale.is_cpu(), kUpdateOp, ": the CPU kernel got the scale on ", scale.device());
+  float* s = scale.data_ptr<float>();
+  int32_t* growth = growth_tracker.data_ptr<int32_t>();
+  int32_t* overflows = overflow_tracker.data_ptr<int32_t>();
+  if (*found_inf.const_data_ptr<float>() != 0.f) {
+    *growth = 0;
+    if (*overflows + 1 > hysteresis) {
+      *s = static_cast<float>(*s * backoff_factor);
+      *overflows = 0;
+    } else {
+      *overflows += 1;
+    }
+  } else if (*growth + 1 == growth_interval) {  // `==` as torch's _amp_update_scale_
+    const float grown = static_cast<float>(std::min(*s * growth_factor, max_scale));
+    if (std::isfinite(grown)) *s = grown;
+    *growth = 0;
+    *overflows = 0;
+  } else {
+    *growth += 1;
+  }
+  return scale;
+}
+
+void unscale_meta(at::TensorList tensors, at::Tensor& found_inf, const at::Tensor& inv_scale) {
+  check_unscale_args(tensors, found_inf, inv_scale);
+}
+
+at::Tensor& update_scale_meta(at::Tensor& scale, at::Tensor& growth_tracker,
+                              at::Tensor& overflow_tracker, const at::Tensor& found_inf,
+                              double growth_factor, double backoff_factor, int64_t growth_interval,
+                              double max_scale, int64_t hysteresis) {
+  check_update_scale_args(scale, growth_tracker, overflow_tracker, found_inf, growth_factor,
+                          backoff_factor, growth_interval, max_scale, hysteresis);
+  return scale;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fusetrain, CPU, m) {
+  m.impl("non_finite_check_and_unscale_", &unscale_cpu);
+  m.impl("update_scale_", &update_scale_cpu);
+}
+
+TORCH_LIBRARY_IMPL(fusetrain, Meta, m) {
+  m.impl("non_finite_check_and_unscale_", &unscale_meta);
+  m.impl("update_scale_", &update_scale_meta);
+}
+
+}  // namespace fusetrain::ops

@@ -1,0 +1,131 @@
+// fusetrain._C: the Python face of libfusetrain. Thin: conversions only; the
+// behaviour lives in the C++ components and is documented there.
+#include <fusetrain/fusetrain.h>
+
+#include <torch/extension.h>
+
+#include <pybind11/stl.h>
+
+namespace py = pybind11;
+using fusetrain::amp::GradScaler;
+
+namespace {
+
+std::vector<at::Tensor> from_optional(const std::vector<std::optional<at::Tensor>>& grads) {
+  std::vector<at::Tensor> out;
+  out.reserve(grads.size());
+  for (const auto& g : grads) out.push_back(g.has_value() ? *g : at::Tensor());
+  return out;
+}
+
+std::optional<at::Tensor> maybe(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+c10::DeviceType parse_device_type(const std::string& device) {
+  return c10::Device(device).type();
+}
+
+py::dict to_py(const c10::impl::GenericDict& state) {
+  py::dict out;
+  for (const auto& item : state) {
+    const c10::IValue& v = item.value();
+    const py::str key(item.key().toStringRef());
+    if (v.isInt()) {
+      out[key] = v.toInt();
+    } else {
+      out[key] = v.toDouble();
+    }
+  }
+  return out;
+}
+
+c10::impl::GenericDict from_py(const py::dict& state) {
+  c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
+  for (const auto& item : state) {
+    const std::string key = py::str(item.first);
+    const py::handle v = item.second;
+    if (py::isinstance<py::bool_>(v)) {
+      throw py::type_error("GradScaler.load_state_dict: \"" + key + "\" must be a number");
+    } else if (py::isinstance<py::int_>(v)) {
+      out.insert(key, v.cast<int64_t>());
+    } else if (py::isinstance<py::float_>(v)) {
+      out.insert(key, v.cast<double>());
+    } else if (THPVariable_Check(v.ptr())) {
+      const at::Tensor t = v.cast<at::Tensor>();
+      TORCH_CHECK_VALUE(t.numel() == 1, "GradScaler.load_state_dict: \"", key,
+                        "\" must be a number or a one-element tensor");
+      out.insert(key, t.is_floating_point() ? c10::IValue(t.item<double>())
+                                            : c10::IValue(t.item<int64_t>()));
+    } else {
+      throw py::type_error("GradScaler.load_state_dict: \"" + key + "\" must be a number, got " +
+                           std::string(py::str(py::type::of(v))));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fusetrain's C++ core";
+  m.def("version", &fusetrain::version);
+  m.def("compiled_with_cuda", &fusetrain::compiled_with_cuda);
+
+  py::class_<GradScaler>(m, "GradScalerCore")
+      .def(py::init([](const std::string& device, double init_scale, double growth_factor,
+                       double backoff_factor, int64_t growth_interval, bool enabled,
+                       double max_scale, int64_t hysteresis) {
+             fusetrain::amp::GradScalerOptions o;
+             o.init_scale(init_scale)
+                 .growth_factor(growth_factor)
+                 .backoff_factor(backoff_factor)
+                 .growth_interval(growth_interval)
+                 .enabled(enabled)
+                 .max_scale(max_scale)
+                 .hysteresis(hysteresis);
+             return GradScaler(parse_device_type(device), o);
+           }),
+           py::arg("device"), py::arg("init_scale"), py::arg("growth_factor"),
+           py::arg("backoff_factor"), py::arg("growth_interval"), py::arg("enabled"),
+           py::arg("max_scale"), py::arg("hysteresis"))
+      .def("scale", py::overload_cast<const at::Tensor&>(&GradScaler::scale))
+      .def("unscale_grads_",
+           [](GradScaler& s, uintptr_t key, const std::vector<std::optional<at::Tensor>>& grads) {
+             s.unscale_grads_(key, from_optional(grads));
+           })
+      .def("prepare_step",
+           [](GradScaler& s, uintptr_t key, const std::vector<std::optional<at::Tensor>>& grads,
+              bool optimizer_takes_scale) {
+             return s.prepare_step(key, from_optional(grads), optimizer_takes_scale);
+           })
+      .def("mark_stepped", &GradScaler::mark_stepped)
+      .def("in_iteration", &GradScaler::in_iteration)
+      .def("stage", [](const GradScaler& s, uintptr_t key) { return static_cast<int>(s.stage(key)); })
+      .def("update", py::overload_cast<>(&GradScaler::update))
+      .def("update", py::overload_cast<double>(&GradScaler::update))
+      .def("update", py::overload_cast<const at::Tensor&>(&GradScaler::update))
+      .def("get_scale", &GradScaler::get_scale)
+      .def("get_growth_factor", &GradScaler::get_growth_factor)
+      .def("set_growth_factor", &GradScaler::set_growth_factor)
+      .def("get_backoff_factor", &GradScaler::get_backoff_factor)
+      .def("set_backoff_factor", &GradScaler::set_backoff_factor)
+      .def("get_growth_interval", &GradScaler::get_growth_interval)
+      .def("set_growth_interval", &GradScaler::set_growth_interval)
+      .def("get_max_scale", &GradScaler::get_max_scale)
+      .def("get_hysteresis", &GradScaler::get_hysteresis)
+      .def("is_enabled", &GradScaler::is_enabled)
+      .def_property_readonly("scale_tensor",
+                             [](const GradScaler& s) { return maybe(s.scale_tensor()); })
+      .def_property_readonly("found_inf", [](const GradScaler& s) { return maybe(s.found_inf()); })
+      .def("step_was_skipped", &GradScaler::step_was_skipped)
+      .def_static("non_finite_indices",
+                  [](const std::vector<std::optional<at::Tensor>>& grads) {
+                    return GradScaler::non_finite_indices(from_optional(grads));
+                  })
+      .def("state_dict", [](const GradScaler& s) { return to_py(s.state_dict()); })
+      .def("load_state_dict",
+           [](GradScaler& s, const py::dict& state) { s.load_state_dict(from_py(state)); })
+      .def("save", &GradScaler::save)
+      .def("load", &GradScaler::load);
+}

@@ -1,0 +1,14 @@
+"""fusetrain: fast mixed-precision, data-parallel PyTorch training.
+
+Swap ``torch.amp.GradScaler`` for ``fusetrain.amp.GradScaler`` (one import);
+choose a precision with ``fusetrain.amp.Policy``.
+"""
+
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from . import _C
+from . import amp
+
+__version__ = _C.version()
+
+__all__ = ["amp", "__version__"]

@@ -1,0 +1,539 @@
+"""Mixed precision: policies, autocast, float32 islands and the GradScaler.
+
+``GradScaler`` is a drop-in for ``torch.amp.GradScaler``: same arguments,
+methods, errors and state dict, with the state machine and kernels in C++
+(``fusetrain::amp::GradScaler``). On top of torch it unscales bf16 gradients
+on CUDA, never syncs with the host for optimizers that take the scale as a
+tensor (``_step_supports_amp_scaling``), reports skipped steps and which
+parameters overflowed, and offers ``max_scale`` and ``hysteresis``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections import abc
+from enum import Enum
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import torch
+
+from . import _C
+
+__all__ = [
+    "Policy",
+    "set_global_policy",
+    "global_policy",
+    "autocast",
+    "keep_float32",
+    "apply_policy",
+    "GradScaler",
+    "OptState",
+]
+
+
+# ----------------------------------------------------------------- policies
+
+_POLICY_DTYPES = {
+    "float32": torch.float32,
+    "mixed_float16": torch.float16,
+    "mixed_bfloat16": torch.bfloat16,
+}
+
+
+class Policy:
+    """A precision policy, Keras' names: what a model computes in and what it
+    keeps its variables in.
+
+    - ``"float32"``: compute and variables in float32.
+    - ``"mixed_float16"``: compute in float16, variables in float32. Use a
+      :class:`GradScaler`: fp16 gradients underflow without loss scaling.
+    - ``"mixed_bfloat16"``: compute in bfloat16, variables in float32.
+    """
+
+    def __init__(self, name: str):
+        if isinstance(name, Policy):
+            name = name.name
+        if name not in _POLICY_DTYPES:
+            valid = ", ".join(f'"{n}"' for n in _POLICY_DTYPES)
+            raise ValueError(f'unknown precision policy "{name}"; valid names are {valid}')
+        self._name = name
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return _POLICY_DTYPES[self._name]
+
+    @property
+    def variable_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def is_mixed(self) -> bool:
+        return self._name != "float32"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Policy) and other._name == self._name
+
+    def __hash__(self) -> int:
+        return hash(self._name)
+
+    def __repr__(self) -> str:
+        return f'Policy("{self._name}")'
+
+
+_global_policy = Policy("float32")
+_policy_lock = threading.Lock()
+
+
+def set_global_policy(policy: Union[Policy, str]) -> None:
+    """Sets the default policy of :func:`autocast` and :func:`apply_policy`."""
+    global _global_policy
+    with _policy_lock:
+        _global_policy = Policy(policy)
+
+
+def global_policy() -> Policy:
+    """The default policy (``Policy("float32")`` until set)."""
+    return _global_policy
+
+
+# ----------------------------------------------------------------- autocast
+
+
+def _default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_autocast_supported(device_type: str, dtype: torch.dtype) -> None:
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                f"autocast to {dtype} on cuda was asked for, but CUDA is not available; "
+                'use device_type="cpu"'
+            )
+        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise RuntimeError(
+                "this GPU does not support bfloat16 autocast; use Policy(\"mixed_float16\")"
+            )
+    elif device_type == "cpu":
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise RuntimeError(f"CPU autocast supports bfloat16 and float16, not {dtype}")
+    elif not torch.amp.is_autocast_available(device_type):
+        raise RuntimeError(f'autocast is not available on device type "{device_type}"')
+
+
+@contextlib.contextmanager
+def autocast(policy: Union[Policy, str, None] = None, device_type: Optional[str] = None):
+    """Runs the block under ``policy`` (default: the global policy).
+
+    A mixed policy enables ``torch.autocast`` in its compute dtype on
+    ``device_type`` (default: ``"cuda"`` when available, else ``"cpu"``); the
+    ``"float32"`` policy disables autocast. A policy the device cannot run is
+    a ``RuntimeError``, never a silent fall-back to float32.
+    """
+    policy = global_policy() if policy is None else Policy(policy)
+    device_type = device_type or _default_device_type()
+    if not policy.is_mixed:
+        with torch.autocast(device_type=device_type, enabled=False):
+            yield
+        return
+    _check_autocast_supported(device_type, policy.compute_dtype)
+    with warnings.catch_warnings():
+        # torch disables autocast with only a warning when it cannot run it.
+        warnings.filterwarnings("error", message=".*[Dd]isabl.*autocast.*")
+        ctx = torch.autocast(device_type=device_type, dtype=policy.compute_dtype)
+    with ctx:
+        yield
+
+
+# ---------------------------------------------------------- float32 islands
+
+
+def _cast_float32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.is_floating_point() and value.dtype != torch.float32 else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_float32(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_float32(v) for k, v in value.items()}
+    return value
+
+
+class _Float32Enter:
+    """Forward pre-hook: autocast off on every device, inputs to float32."""
+
+    def __call__(self, module, args, kwargs):
+        stack = module.__dict__.setdefault("_fusetrain_float32_stack", [])
+        ctx = contextlib.ExitStack()
+        for dev in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(dev):
+                ctx.enter_context(torch.autocast(device_type=dev, enabled=False))
+        stack.append(ctx)
+        return _cast_float32(args), _cast_float32(kwargs)
+
+
+class _Float32Exit:
+    """Forward hook (always called, even when forward raises): restore autocast."""
+
+    def __call__(self, module, args, kwargs, output):
+        stack = module.__dict__.get("_fusetrain_float32_stack")
+        if stack:
+            stack.pop().close()
+        return None
+
+
+def keep_float32(module: torch.nn.Module) -> torch.nn.Module:
+    """Makes ``module`` a float32 island, like Keras' ``dtype="float32"``
+    layer argument: inside an autocast region its forward runs with autocast
+    off and its floating-point inputs cast to float32. Parameters and
+    state-dict keys are unchanged. Returns ``module``."""
+    if getattr(module, "_fusetrain_float32", False):
+        return module
+    module.register_forward_pre_hook(_Float32Enter(), with_kwargs=True)
+    module.register_forward_hook(_Float32Exit(), with_kwargs=True, always_call=True)
+    module._fusetrain_float32 = True
+    return module
+
+
+class _PolicyEnter:
+    def __init__(self, policy: Policy):
+        self.policy = policy
+
+    def __call__(self, module, args, kwargs):
+        stack = module.__dict__.setdefault("_fusetrain_policy_stack", [])
+        device_type = next(
+            (p.device.type for p in module.parameters() if p.is_floating_point()),
+            _default_device_type(),
+        )
+        ctx = contextlib.ExitStack()
+        ctx.enter_context(autocast(self.policy, device_type))
+        stack.append(ctx)
+        return None
+
+
+class _PolicyExit:
+    def __call__(self, module, args, kwargs, output):
+        stack = module.__dict__.get("_fusetrain_policy_stack")
+        if stack:
+            stack.pop().close()
+        return None
+
+
+def apply_policy(
+    model: torch.nn.Module,
+    policy: Union[Policy, str, None] = None,
+    float32_modules: Iterable[Union[type, str]] = (),
+) -> torch.nn.Module:
+    """Applies a precision policy to a model, the Keras way.
+
+    - Floating-point parameters and buffers are kept in the policy's
+      variable dtype (float32).
+    - Every call of ``model`` runs under :func:`autocast` with the policy, on
+      the device of the model's parameters.
+    - Submodules matching ``float32_modules`` (module types, or names as in
+      ``model.named_modules()``) become float32 islands (:func:`keep_float32`).
+
+    Returns ``model``. An unknown name is a ``ValueError`` naming it.
+    """
+    policy = global_policy() if policy is None else Policy(policy)
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != policy.variable_dtype:
+            p.data = p.data.to(policy.variable_dtype)
+    for name, buf in model.named_buffers():
+        if buf.is_floating_point() and buf.dtype != policy.variable_dtype:
+            owner, _, attr = name.rpartition(".")
+            model.get_submodule(owner)._buffers[attr] = buf.to(policy.variable_dtype)
+
+    selectors = list(float32_modules)
+    modules = dict(model.named_modules())
+    for sel in selectors:
+        if isinstance(sel, str):
+            if sel not in modules:
+                known = ", ".join(n for n in modules if n) or "(none)"
+                raise ValueError(f'float32_modules: no submodule named "{sel}"; the model has {known}')
+            keep_float32(modules[sel])
+        elif isinstance(sel, type) and issubclass(sel, torch.nn.Module):
+            for m in modules.values():
+                if isinstance(m, sel):
+                    keep_float32(m)
+        else:
+            raise TypeError(
+                f"float32_modules entries must be module types or names, got {sel!r}"
+            )
+
+    for hook in getattr(model, "_fusetrain_policy_hooks", ()):
+        hook.remove()
+    model._fusetrain_policy_hooks = (
+        model.register_forward_pre_hook(_PolicyEnter(policy), with_kwargs=True, prepend=True),
+        model.register_forward_hook(_PolicyExit(), with_kwargs=True, always_call=True),
+    )
+    model.fusetrain_policy = policy
+    return model
+
+
+# --------------------------------------------------------------- GradScaler
+
+
+class OptState(Enum):
+    """Where an optimizer is in the current iteration (torch's OptState)."""
+
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+def _grads_of(optimizer: torch.optim.Optimizer) -> list:
+    """The optimizer's gradients in param-group order (None kept for the
+    indices); sparse ones contribute their values, fp16 ones coalesced first."""
+    grads = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            g = param.grad
+            if g is not None and g.is_sparse:
+                if g.dtype is torch.float16:
+                    param.grad = g = g.coalesce()
+                g = g._values()
+            grads.append(g)
+    return grads
+
+
+class GradScaler:
+    """Dynamic loss scaling; a drop-in for ``torch.amp.GradScaler``.
+
+    Arguments as torch's, plus:
+
+    - ``max_scale``: growth never takes the scale above this (default: no cap).
+    - ``hysteresis``: overflows tolerated before backing off the scale; each
+      still skips its step (default 0: back off on every overflow, as torch).
+
+    Works on CPU and CUDA, with float32, float16 and bfloat16 gradients. With
+    an optimizer that sets ``_step_supports_amp_scaling`` (torch's and
+    fusetrain's fused optimizers) ``step`` hands it ``grad_scale`` and
+    ``found_inf`` tensors and never syncs with the host.
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        max_scale: Optional[float] = None,
+        hysteresis: int = 0,
+    ) -> None:
+        device = str(device)
+        if enabled and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            warnings.warn(
+                "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling."
+            )
+            enabled = False
+        self._device = device
+        self._core = _C.GradScalerCore(
+            device,
+            float(init_scale),
+            float(growth_factor),
+            float(backoff_factor),
+            int(growth_interval),
+            bool(enabled),
+            float("inf") if max_scale is None else float(max_scale),
+            int(hysteresis),
+        )
+
+    # -------------------------------------------------------- the iteration
+
+    def scale(self, outputs):
+        """``outputs * scale``: a tensor, or nested lists/tuples (other
+        iterables give a lazy map) of tensors."""
+        if not self._core.is_enabled():
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            return self._core.scale(outputs)
+
+        def apply_scale(val):
+            if isinstance(val, torch.Tensor):
+                return self._core.scale(val)
+            if isinstance(val, abc.Iterable):
+                scaled = map(apply_scale, val)
+                if isinstance(val, (list, tuple)):
+                    return type(val)(scaled)
+                return scaled
+            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+
+        return apply_scale(outputs)
+
+    def _check_initialized(self, funcname: str) -> None:
+        if self._core.scale_tensor is None:
+            raise AssertionError(
+                f"Attempted {funcname} but _scale is None.  This may indicate your script "
+                "did not use scaler.scale(loss or outputs) earlier in the iteration."
+            )
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divides the optimizer's gradients by the scale in place (for
+        clipping before ``step``), recording whether any held inf/NaN. At most
+        once per optimizer between ``update`` calls. No host sync."""
+        if not self._core.is_enabled():
+            return
+        self._check_initialized("unscale_")
+        with torch.no_grad():
+            self._core.unscale_grads_(id(optimizer), _grads_of(optimizer))
+
+    def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
+        """Steps ``optimizer`` unless this iteration's gradients held inf/NaN
+        and returns what its ``step`` returned (None when skipped)."""
+        if not self._core.is_enabled():
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_initialized("step")
+        key = id(optimizer)
+        takes_scale = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        with torch.no_grad():
+            grad_scale, found_inf = self._core.prepare_step(key, _grads_of(optimizer), takes_scale)
+        if takes_scale:
+            optimizer.grad_scale = grad_scale
+            optimizer.found_inf = found_inf
+            try:
+                retval = optimizer.step(*args, **kwargs)
+            finally:
+                del optimizer.grad_scale
+                del optimizer.found_inf
+        elif not found_inf.item():  # torch's host sync, for optimizers without scale support
+            retval = optimizer.step(*args, **kwargs)
+        else:
+            retval = None
+        self._core.mark_stepped(key)
+        return retval
+
+    def update(self, new_scale: Union[float, torch.Tensor, None] = None) -> None:
+        """Grows or backs off the scale from this iteration's overflow flags,
+        on the device; or sets it to ``new_scale``. Resets every optimizer's
+        stage for the next iteration."""
+        if not self._core.is_enabled():
+            return
+        self._check_initialized("update")
+        if new_scale is None:
+            self._core.update()
+        elif isinstance(new_scale, torch.Tensor):
+            self._core.update(new_scale)
+        else:
+            self._core.update(float(new_scale))
+
+    # ----------------------------------------------------- beyond torch's
+
+    @property
+    def found_inf(self) -> Optional[torch.Tensor]:
+        """One-element float32 tensor on the scale's device, non-zero when the
+        latest ``step`` (or ``update``) saw inf/NaN; None before either."""
+        return self._core.found_inf
+
+    def step_was_skipped(self) -> bool:
+        """Whether the latest ``step`` was skipped (reads ``found_inf``: a host sync)."""
+        return self._core.step_was_skipped()
+
+    def overflow_report(self, named_parameters) -> list:
+        """Names of the parameters whose gradients hold inf or NaN, e.g.
+        ``scaler.overflow_report(model.named_parameters())`` after a skipped
+        step (before ``zero_grad``). One host sync."""
+        names, grads = [], []
+        for name, param in named_parameters:
+            names.append(name)
+            grads.append(param.grad)
+        return [names[i] for i in _C.GradScalerCore.non_finite_indices(grads)]
+
+    # ----------------------------------------------------------- accessors
+
+    @property
+    def _scale(self) -> Optional[torch.Tensor]:
+        return self._core.scale_tensor
+
+    def _get_scale_async(self) -> Optional[torch.Tensor]:
+        return self._core.scale_tensor
+
+    def get_scale(self) -> float:
+        """The current scale (a host sync); ``init_scale`` before the first
+        ``scale``; 1.0 when disabled."""
+        return self._core.get_scale()
+
+    def get_growth_factor(self) -> float:
+        return self._core.get_growth_factor()
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._core.set_growth_factor(float(new_factor))
+
+    def get_backoff_factor(self) -> float:
+        return self._core.get_backoff_factor()
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._core.set_backoff_factor(float(new_factor))
+
+    def get_growth_interval(self) -> int:
+        return self._core.get_growth_interval()
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._core.set_growth_interval(int(new_interval))
+
+    def get_max_scale(self) -> Optional[float]:
+        m = self._core.get_max_scale()
+        return None if m == float("inf") else m
+
+    def get_hysteresis(self) -> int:
+        return self._core.get_hysteresis()
+
+    def is_enabled(self) -> bool:
+        return self._core.is_enabled()
+
+    def _stage(self, optimizer) -> OptState:
+        return OptState(self._core.stage(id(optimizer)))
+
+    # ------------------------------------------------------- checkpointing
+
+    def state_dict(self) -> dict:
+        """torch's keys (``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``_growth_tracker``), plus ``max_scale`` /
+        ``hysteresis`` and ``_overflow_tracker`` when those are on; ``{}`` when
+        disabled. Loads into ``torch.amp.GradScaler`` and back."""
+        return self._core.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._core.load_state_dict(dict(state_dict))
+
+    def __getstate__(self) -> dict:
+        if self._core.is_enabled() and self._core.in_iteration():
+            raise RuntimeError(
+                "A GradScaler instance may only be pickled at the beginning of an iteration, "
+                "or at the end after scaler.update()."
+            )
+        return {
+            "device": self._device,
+            "enabled": self._core.is_enabled(),
+            "max_scale": self.get_max_scale(),
+            "hysteresis": self.get_hysteresis(),
+            "state": self.state_dict(),
+            "growth_factor": self.get_growth_factor(),
+            "backoff_factor": self.get_backoff_factor(),
+            "growth_interval": self.get_growth_interval(),
+        }
+
+    def __setstate__(self, state: dict) -> None:
+        self._device = state["device"]
+        self._core = _C.GradScalerCore(
+            state["device"],
+            2.0**16,
+            state["growth_factor"],
+            state["backoff_factor"],
+            state["growth_interval"],
+            state["enabled"],
+            float("inf") if state["max_scale"] is None else state["max_scale"],
+            state["hysteresis"],
+        )
+        if state["state"]:
+            self._core.load_state_dict(state["state"])

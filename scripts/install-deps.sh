@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Installs everything fusetrain needs on a fresh Debian 12 machine, and nothing
+# twice: Debian packages through apt-get (as root), Python packages into .venv
+# with the pinned torch. Safe to run before every build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TORCH_VERSION=2.11.0
+APT_PACKAGES=(cmake ninja-build ccache g++ libcxxopts-dev catch2 libyaml-cpp-dev
+              zlib1g-dev dataset-fashion-mnist)
+PY_PACKAGES=(numpy pytest pybind11 matplotlib pyyaml setuptools wheel)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "install-deps: apt-get install ${missing[*]}"
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "install-deps: need root to install ${missing[*]}" >&2
+    exit 1
+  fi
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+fi
+
+# PYTHON overrides the virtual environment (the GPU box brings its own torch).
+if [ -n "${PYTHON:-}" ]; then
+  exit 0
+fi
+PY=.venv/bin/python
+if [ ! -x "$PY" ]; then
+  echo "install-deps: creating .venv"
+  python3 -m venv .venv
+  "$PY" -m pip install -q --upgrade pip
+fi
+have_torch=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
+if [ "$have_torch" != "$TORCH_VERSION" ]; then
+  echo "install-deps: installing torch==$TORCH_VERSION into .venv (a few GB, once)"
+  "$PY" -m pip install -q "torch==$TORCH_VERSION"
+fi
+need_py=()
+for p in "${PY_PACKAGES[@]}"; do
+  "$PY" -m pip show -q "$p" >/dev/null 2>&1 || need_py+=("$p")
+done
+if ((${#need_py[@]})); then
+  echo "install-deps: pip install ${need_py[*]}"
+  "$PY" -m pip install -q "${need_py[@]}"
+fi

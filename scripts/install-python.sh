@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Makes the freshly built package importable from PYTHON: the extension and
+# libfusetrain are copied next to python/fusetrain/, and the environment gets
+# an editable install pointing at python/ (once).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${1:-.venv/bin/python}
+BUILD=${2:-build}
+cp -f "$BUILD"/_C.*.so "$BUILD"/libfusetrain.so python/fusetrain/
+if ! (cd /tmp && "$PY" -c 'import fusetrain' 2>/dev/null); then
+  site=$("$PY" -c 'import site; print(site.getsitepackages()[0])')
+  if [ -w "$site" ]; then
+    echo "$PWD/python" > "$site/fusetrain-dev.pth"
+  else
+    echo "install-python: $site is not writable; use PYTHONPATH=$PWD/python" >&2
+  fi
+fi
