@@ -14,4 +14,15 @@ TORCH_LIBRARY(fusetrain, m) {
       "update_scale_(Tensor(a!) self, Tensor(b!) growth_tracker, Tensor(c!) overflow_tracker, "
       "Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, "
       "float max_scale, int hysteresis) -> Tensor(a!)");
+
+  // Softmax cross-entropy over [N, C] logits (fp32/fp16/bf16) with int64
+  // targets, fp32 accumulation. Returns the loss (fp32; shape [N] for
+  // reduction "none", else 0-d) and the per-row log-sum-exp the backward reuses.
+  m.def(
+      "softmax_cross_entropy_forward(Tensor logits, Tensor target, int ignore_index, "
+      "float label_smoothing, str reduction) -> (Tensor loss, Tensor lse)");
+  // Gradient of the above with respect to the logits, in the logits' dtype.
+  m.def(
+      "softmax_cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, "
+      "Tensor lse, int ignore_index, float label_smoothing, str reduction) -> Tensor");
 }
