@@ -4,6 +4,9 @@
 #include <fusetrain/ops/amp.h>
 
 #include <c10/util/Exception.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/cuda.h>
 #include <torch/serialize.h>
 
@@ -178,13 +181,17 @@ std::pair<std::optional<at::Tensor>, at::Tensor> GradScaler::prepare_step(
     if (state.stage == OptState::kReady) {
       // Only look for inf/NaN: the optimizer divides by the scale itself.
       record_inf_checks(state, grads, at::ones({}, scale_.options()));
-      grad_scale = scale_;
+      // A copy, as torch hands `scale * 1`: the optimizer may keep it past
+      // update() or write to it without touching the scaler's scale.
+      grad_scale = scale_.clone();
     }
-  } else if (state.stage == OptState::kReady) {
-    unscale_grads_(key, grads);
+    // No check that inf checks were recorded: like torch, an optimizer that
+    // takes the scale steps (a no-op) when none of its parameters has a grad.
+  } else {
+    if (state.stage == OptState::kReady) unscale_grads_(key, grads);
+    TORCH_CHECK(!state.found_inf_per_device.empty(),
+                "No inf checks were recorded for this optimizer.");
   }
-  TORCH_CHECK(!state.found_inf_per_device.empty(),
-              "No inf checks were recorded for this optimizer.");
   last_found_inf_ = combined_found_inf(state);
   return {grad_scale, last_found_inf_};
 }
@@ -355,7 +362,29 @@ void GradScaler::load_state_dict(const c10::impl::GenericDict& state) {
 }
 
 void GradScaler::save(const std::string& path) const {
-  write_file_atomically(path, torch::pickle_save(c10::IValue(state_dict())));
+  // torch::pickle_save's format, but with aggregates untagged: its type tags
+  // (torch.jit._pickle.restore_type_tag) make torch.load's default
+  // weights_only=True unpickler refuse the file.
+  std::vector<char> pickled;
+  torch::jit::Pickler pickler(
+      [&](const char* buf, size_t n) { pickled.insert(pickled.end(), buf, buf + n); },
+      /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+      /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(c10::IValue(state_dict()));
+  pickler.stop();
+  std::vector<char> bytes;
+  {
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* buf, size_t n) {
+      const char* b = static_cast<const char*>(buf);
+      bytes.insert(bytes.end(), b, b + n);
+      return n;
+    });
+    torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(),
+                                       pickler.tensorData(), writer);
+    writer.writeEndOfFile();
+  }
+  write_file_atomically(path, bytes);
 }
 
 void GradScaler::load(const std::string& path) {

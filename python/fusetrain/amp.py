@@ -302,6 +302,21 @@ def _grads_of(optimizer: torch.optim.Optimizer) -> list:
     return grads
 
 
+# Misuse that torch's GradScaler reports with AssertionError (the C++ core
+# raises RuntimeError with torch's message; the Python face restores the type).
+_TORCH_ASSERTIONS = ("No inf checks were recorded",)
+
+
+@contextlib.contextmanager
+def _torch_assertions():
+    try:
+        yield
+    except RuntimeError as e:
+        if str(e).startswith(_TORCH_ASSERTIONS):
+            raise AssertionError(str(e).split("\nException raised from")[0]) from None
+        raise
+
+
 class GradScaler:
     """Dynamic loss scaling; a drop-in for ``torch.amp.GradScaler``.
 
@@ -396,7 +411,7 @@ class GradScaler:
         self._check_initialized("step")
         key = id(optimizer)
         takes_scale = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-        with torch.no_grad():
+        with torch.no_grad(), _torch_assertions():
             grad_scale, found_inf = self._core.prepare_step(key, _grads_of(optimizer), takes_scale)
         if takes_scale:
             optimizer.grad_scale = grad_scale
@@ -421,8 +436,19 @@ class GradScaler:
             return
         self._check_initialized("update")
         if new_scale is None:
-            self._core.update()
+            with _torch_assertions():
+                self._core.update()
         elif isinstance(new_scale, torch.Tensor):
+            reason = (
+                "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                "torch.FloatTensor with requires_grad=False."
+            )
+            if (
+                new_scale.device.type != torch.device(self._device).type
+                or new_scale.numel() != 1
+                or new_scale.requires_grad
+            ):
+                raise AssertionError(reason)
             self._core.update(new_scale)
         else:
             self._core.update(float(new_scale))
@@ -508,7 +534,7 @@ class GradScaler:
 
     def __getstate__(self) -> dict:
         if self._core.is_enabled() and self._core.in_iteration():
-            raise RuntimeError(
+            raise AssertionError(
                 "A GradScaler instance may only be pickled at the beginning of an iteration, "
                 "or at the end after scaler.update()."
             )
