@@ -5,4 +5,6 @@
 #include <fusetrain/amp/grad_scaler.h>
 #include <fusetrain/amp/policy.h>
 #include <fusetrain/ops/amp.h>
+#include <fusetrain/ops/optim.h>
+#include <fusetrain/optim/fused.h>
 #include <fusetrain/version.h>

@@ -24,10 +24,15 @@ constexpr int kParamBytes = 32000;
 template <int Depth>
 struct TensorListMeta {
   // Pointers, lengths and chunk offsets for as many tensors as fit.
-  static constexpr int kMaxTensors = (kParamBytes - 256) / (Depth * 8 + 8 + 4);
+  static constexpr int kMaxTensors = (kParamBytes - 256) / (Depth * 8 + 8 + 4 + 4);
   void* ptrs[Depth][kMaxTensors];
   int64_t numel[kMaxTensors];
   int32_t first_chunk[kMaxTensors + 1];
+  // Position of each tensor in the caller's list (empty tensors are skipped)
+  // and this launch's first chunk among all the caller's chunks: what ops that
+  // write per-tensor or per-chunk results index by.
+  int32_t index[kMaxTensors];
+  int32_t chunk_offset;
   int32_t num_tensors;
 };
 
@@ -69,6 +74,7 @@ cudaError_t multi_tensor_apply(void* const* const* ptrs, const int64_t* numel, i
                                int blocks_per_launch, cudaStream_t stream, Op op) {
   TensorListMeta<Depth> meta;
   int i = 0;
+  int32_t chunks_before = 0;
   while (i < n) {
     meta.num_tensors = 0;
     int32_t chunks = 0;
@@ -79,11 +85,14 @@ cudaError_t multi_tensor_apply(void* const* const* ptrs, const int64_t* numel, i
       const int k = meta.num_tensors++;
       for (int d = 0; d < Depth; ++d) meta.ptrs[d][k] = ptrs[d][i];
       meta.numel[k] = numel[i];
+      meta.index[k] = i;
       meta.first_chunk[k] = chunks;
       chunks += static_cast<int32_t>(tensor_chunks);
     }
     if (meta.num_tensors == 0) continue;
     meta.first_chunk[meta.num_tensors] = chunks;
+    meta.chunk_offset = chunks_before;
+    chunks_before += chunks;
     const int grid = chunks < blocks_per_launch ? chunks : blocks_per_launch;
     multi_tensor_kernel<Depth><<<grid, kBlockSize, 0, stream>>>(meta, op);
     const cudaError_t err = cudaGetLastError();

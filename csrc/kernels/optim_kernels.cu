@@ -1,0 +1,323 @@
+// Fused optimizer and norm CUDA kernels over multi-tensor launches (Note
+// [Multi-tensor launch layout]). Every element is read and written once, in
+// fp32 math; an overflow flag read on the device turns a step into a no-op.
+#include "multi_tensor_apply.cuh"
+#include "optim_kernels.h"
+#include "vec.cuh"
+
+#include <vector>
+
+namespace fusetrain::kernels {
+
+namespace {
+
+// Elements a thread handles per iteration: 4 consecutive values, moved as one
+// 8- or 16-byte access when every array is aligned for it.
+constexpr int kIlp = 4;
+
+template <typename T>
+struct alignas(sizeof(T) * kIlp) Quad {
+  T v[kIlp];
+};
+
+template <typename T>
+__device__ __forceinline__ bool quad_aligned(const T* p) {
+  return (reinterpret_cast<uintptr_t>(p) % (sizeof(T) * kIlp)) == 0;
+}
+
+template <typename T>
+__device__ __forceinline__ void load_quad(float (&dst)[kIlp], const T* src, int64_t i, int64_t n,
+                                          bool vectorized) {
+  if (vectorized) {
+    const Quad<T> q = reinterpret_cast<const Quad<T>*>(src + i)[0];
+#pragma unroll
+    for (int k = 0; k < kIlp; ++k) dst[k] = to_float(q.v[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kIlp; ++k) dst[k] = i + k < n ? to_float(src[i + k]) : 0.f;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store_quad(T* dst, const float (&src)[kIlp], int64_t i, int64_t n,
+                                           bool vectorized) {
+  if (vectorized) {
+    Quad<T> q;
+#pragma unroll
+    for (int k = 0; k < kIlp; ++k) q.v[k] = from_float<T>(src[k]);
+    reinterpret_cast<Quad<T>*>(dst + i)[0] = q;
+  } else {
+#pragma unroll
+    for (int k = 0; k < kIlp; ++k) {
+      if (i + k < n) dst[i + k] = from_float<T>(src[k]);
+    }
+  }
+}
+
+// ------------------------------------------------------------------- Adam
+
+template <typename P, typename S>
+struct AdamOp {
+  AdamScalars s;
+
+  __device__ void operator()(const TensorListMeta<7>& meta, int t, int64_t start,
+                             int64_t n) const {
+    if (s.found_inf != nullptr && *s.found_inf != 0.f) return;
+    P* p = static_cast<P*>(meta.ptrs[0][t]) + start;
+    const P* g = static_cast<const P*>(meta.ptrs[1][t]) + start;
+    S* m = static_cast<S*>(meta.ptrs[2][t]) + start;
+    S* v = static_cast<S*>(meta.ptrs[3][t]) + start;
+    S* vmax = s.amsgrad ? static_cast<S*>(meta.ptrs[4][t]) + start : nullptr;
+    float* master = meta.ptrs[5][t] != nullptr ? static_cast<float*>(meta.ptrs[5][t]) + start
+                                               : nullptr;
+    // The step count is incremented by a later launch; this one sees step - 1.
+    const double step = static_cast<double>(*static_cast<const float*>(meta.ptrs[6][t])) + 1.0;
+    const float step_size = static_cast<float>(s.lr / (1.0 - pow(static_cast<double>(s.beta1), step)));
+    const float bc2_sqrt = static_cast<float>(sqrt(1.0 - pow(static_cast<double>(s.beta2), step)));
+    const float inv_scale = s.grad_scale != nullptr ? 1.f / *s.grad_scale : 1.f;
+    const float decay = 1.f - s.lr * s.weight_decay;
+
+    const bool vec = quad_aligned(p) && quad_aligned(g) && quad_aligned(m) && quad_aligned(v) &&
+                     (vmax == nullptr || quad_aligned(vmax)) &&
+                     (master == nullptr || quad_aligned(master));
+    for (int64_t i = static_cast<int64_t>(threadIdx.x) * kIlp; i < n;
+         i += static_cast<int64_t>(blockDim.x) * kIlp) {
+      const bool full = vec && i + kIlp <= n;
+      float rp[kIlp], rg[kIlp], rm[kIlp], rv[kIlp], rx[kIlp];
+      load_quad(rg, g, i, n, full);
+      if (master != nullptr) {
+        load_quad(rp, master, i, n, full);
+      } else {
+        load_quad(rp, p, i, n, full);
+      }
+      load_quad(rm, m, i, n, full);
+      load_quad(rv, v, i, n, full);
+      if (vmax != nullptr) load_quad(rx, vmax, i, n, full);
+#pragma unroll
+      for (int k = 0; k < kIlp; ++k) {
+        float grad = rg[k] * inv_scale;
+        if (s.maximize) grad = -grad;
+        float param = rp[k];
+        if (s.weight_decay != 0.f) {
+          if (s.decoupled_weight_decay) {
+            param *= decay;
+          } else {
+            grad += s.weight_decay * param;
+          }
+        }
+        rm[k] = s.beta1 * rm[k] + (1.f - s.beta1) * grad;
+        rv[k] = s.beta2 * rv[k] + (1.f - s.beta2) * grad * grad;
+        float second = rv[k];
+        if (vmax != nullptr) {
+          rx[k] = fmaxf(rx[k], rv[k]);
+          second = rx[k];
+        }
+        const float denom = sqrtf(second) / bc2_sqrt + s.eps;
+        rp[k] = param - step_size * rm[k] / denom;
+      }
+      store_quad(m, rm, i, n, full);
+      store_quad(v, rv, i, n, full);
+      if (vmax != nullptr) store_quad(vmax, rx, i, n, full);
+      if (master != nullptr) store_quad(master, rp, i, n, full);
+      store_quad(p, rp, i, n, full);
+    }
+  }
+};
+
+// One thread per tensor: step += 1 unless the step was skipped.
+struct IncrementStepOp {
+  const float* found_inf;
+
+  __device__ void operator()(const TensorListMeta<1>& meta, int t, int64_t, int64_t) const {
+    if (threadIdx.x != 0 || (found_inf != nullptr && *found_inf != 0.f)) return;
+    *static_cast<float*>(meta.ptrs[0][t]) += 1.f;
+  }
+};
+
+template <typename P, typename S>
+cudaError_t launch_adam_typed(const AdamTensors& t, const AdamScalars& s, int max_blocks,
+                              cudaStream_t stream) {
+  void* const* ptrs[7] = {t.param,          t.grad,   t.exp_avg, t.exp_avg_sq,
+                          t.max_exp_avg_sq, t.master, t.step};
+  cudaError_t err = multi_tensor_apply<7>(ptrs, t.numel, t.n, max_blocks, stream, AdamOp<P, S>{s});
+  if (err != cudaSuccess) return err;
+  // Each step counter is a one-element tensor: one chunk, one block, one thread.
+  void* const* steps[1] = {t.step};
+  const std::vector<int64_t> ones(t.n, 1);
+  return multi_tensor_apply<1>(steps, ones.data(), t.n, max_blocks, stream,
+                               IncrementStepOp{s.found_inf});
+}
+
+// -------------------------------------------------------------------- SGD
+
+template <typename P, typename S>
+struct SgdOp {
+  SgdScalars s;
+
+  __device__ void operator()(const TensorListMeta<4>& meta, int t, int64_t start,
+                             int64_t n) const {
+    if (s.found_inf != nullptr && *s.found_inf != 0.f) return;
+    P* p = static_cast<P*>(meta.ptrs[0][t]) + start;
+    const P* g = static_cast<const P*>(meta.ptrs[1][t]) + start;
+    S* buf = s.momentum != 0.f ? static_cast<S*>(meta.ptrs[2][t]) + start : nullptr;
+    float* master = meta.ptrs[3][t] != nullptr ? static_cast<float*>(meta.ptrs[3][t]) + start
+                                               : nullptr;
+    const float inv_scale = s.grad_scale != nullptr ? 1.f / *s.grad_scale : 1.f;
+    const bool vec = quad_aligned(p) && quad_aligned(g) && (buf == nullptr || quad_aligned(buf)) &&
+                     (master == nullptr || quad_aligned(master));
+    for (int64_t i = static_cast<int64_t>(threadIdx.x) * kIlp; i < n;
+         i += static_cast<int64_t>(blockDim.x) * kIlp) {
+      const bool full = vec && i + kIlp <= n;
+      float rp[kIlp], rg[kIlp], rb[kIlp];
+      load_quad(rg, g, i, n, full);
+      if (master != nullptr) {
+        load_quad(rp, master, i, n, full);
+      } else {
+        load_quad(rp, p, i, n, full);
+      }
+      if (buf != nullptr && !s.is_first_step) load_quad(rb, buf, i, n, full);
+#pragma unroll
+      for (int k = 0; k < kIlp; ++k) {
+        float grad = rg[k] * inv_scale;
+        if (s.maximize) grad = -grad;
+        if (s.weight_decay != 0.f) grad += s.weight_decay * rp[k];
+        if (buf != nullptr) {
+          rb[k] = s.is_first_step ? grad : s.momentum * rb[k] + (1.f - s.dampening) * grad;
+          grad = s.nesterov ? grad + s.momentum * rb[k] : rb[k];
+        }
+        rp[k] = rp[k] - s.lr * grad;
+      }
+      if (buf != nullptr) store_quad(buf, rb, i, n, full);
+      if (master != nullptr) store_quad(master, rp, i, n, full);
+      store_quad(p, rp, i, n, full);
+    }
+  }
+};
+
+template <typename P, typename S>
+cudaError_t launch_sgd_typed(const SgdTensors& t, const SgdScalars& s, int max_blocks,
+                             cudaStream_t stream) {
+  void* const* ptrs[4] = {t.param, t.grad, t.momentum_buffer, t.master};
+  return multi_tensor_apply<4>(ptrs, t.numel, t.n, max_blocks, stream, SgdOp<P, S>{s});
+}
+
+// Calls f(P{}, S{}) for the parameter type and the state type.
+template <typename F>
+cudaError_t dispatch_param_state(FloatType type, bool master, F&& f) {
+  switch (type) {
+    case FloatType::kFloat32:
+      return f(float{}, float{});
+    case FloatType::kFloat64:  // the glue refuses it: the kernels compute in fp32
+      return cudaErrorInvalidValue;
+    case FloatType::kFloat16:
+      return master ? f(__half{}, float{}) : f(__half{}, __half{});
+    case FloatType::kBFloat16:
+      return master ? f(__nv_bfloat16{}, float{}) : f(__nv_bfloat16{}, __nv_bfloat16{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+// ---------------------------------------------------------------- L2 norm
+
+template <int kThreads>
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float warp_sums[kThreads / 32];
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = threadIdx.x < kThreads / 32 ? warp_sums[threadIdx.x] : 0.f;
+  if (threadIdx.x < 32) {
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  }
+  __syncthreads();
+  return v;  // valid in thread 0
+}
+
+template <typename T>
+struct SumSquaresOp {
+  float* partials;
+
+  __device__ void operator()(const TensorListMeta<1>& meta, int t, int64_t start,
+                             int64_t n) const {
+    const T* x = static_cast<const T*>(meta.ptrs[0][t]) + start;
+    float acc = 0.f;
+    const bool vec = quad_aligned(x);
+    for (int64_t i = static_cast<int64_t>(threadIdx.x) * kIlp; i < n;
+         i += static_cast<int64_t>(blockDim.x) * kIlp) {
+      float r[kIlp];
+      load_quad(r, x, i, n, vec && i + kIlp <= n);
+#pragma unroll
+      for (int k = 0; k < kIlp; ++k) acc += r[k] * r[k];
+    }
+    acc = block_sum<kBlockSize>(acc);
+    if (threadIdx.x == 0) {
+      const int64_t chunk = meta.chunk_offset + meta.first_chunk[t] + start / kChunkSize;
+      partials[chunk] = acc;
+    }
+  }
+};
+
+// One block per tensor sums its chunks' partials in order.
+__global__ void per_tensor_sum_kernel(const float* partials, const int64_t* chunk_begin,
+                                      float* per_tensor_sq) {
+  const int t = blockIdx.x;
+  float acc = 0.f;
+  for (int64_t c = chunk_begin[t] + threadIdx.x; c < chunk_begin[t + 1]; c += blockDim.x) {
+    acc += partials[c];
+  }
+  acc = block_sum<256>(acc);
+  if (threadIdx.x == 0) per_tensor_sq[t] = acc;
+}
+
+template <typename T>
+cudaError_t launch_chunk_squares(void* const* tensors, const int64_t* numel, int n,
+                               float* partials, int max_blocks, cudaStream_t stream) {
+  void* const* ptrs[1] = {tensors};
+  return multi_tensor_apply<1>(ptrs, numel, n, max_blocks, stream, SumSquaresOp<T>{partials});
+}
+
+}  // namespace
+
+cudaError_t launch_fused_adam(FloatType param_type, bool has_master, const AdamTensors& tensors,
+                              const AdamScalars& scalars, int max_blocks, cudaStream_t stream) {
+  return dispatch_param_state(param_type, has_master, [&](auto ptag, auto stag) {
+    return launch_adam_typed<decltype(ptag), decltype(stag)>(tensors, scalars, max_blocks,
+                                                             stream);
+  });
+}
+
+cudaError_t launch_fused_sgd(FloatType param_type, bool has_master, const SgdTensors& tensors,
+                             const SgdScalars& scalars, int max_blocks, cudaStream_t stream) {
+  return dispatch_param_state(param_type, has_master, [&](auto ptag, auto stag) {
+    return launch_sgd_typed<decltype(ptag), decltype(stag)>(tensors, scalars, max_blocks, stream);
+  });
+}
+
+int64_t chunks_of(int64_t numel) { return (numel + kChunkSize - 1) / kChunkSize; }
+
+cudaError_t launch_sum_squares(FloatType type, void* const* tensors, const int64_t* numel,
+                               int n, float* partials, const int64_t* chunk_begin,
+                               float* per_tensor_sq, int max_blocks, cudaStream_t stream) {
+  cudaError_t err = cudaSuccess;
+  switch (type) {
+    case FloatType::kFloat32:
+      err = launch_chunk_squares<float>(tensors, numel, n, partials, max_blocks, stream);
+      break;
+    case FloatType::kFloat16:
+      err = launch_chunk_squares<__half>(tensors, numel, n, partials, max_blocks, stream);
+      break;
+    case FloatType::kBFloat16:
+      err = launch_chunk_squares<__nv_bfloat16>(tensors, numel, n, partials, max_blocks, stream);
+      break;
+    case FloatType::kFloat64:
+      err = launch_chunk_squares<double>(tensors, numel, n, partials, max_blocks, stream);
+      break;
+  }
+  if (err != cudaSuccess) return err;
+  per_tensor_sum_kernel<<<n, 256, 0, stream>>>(partials, chunk_begin, per_tensor_sq);
+  return cudaGetLastError();
+}
+
+}  // namespace fusetrain::kernels

@@ -1,0 +1,71 @@
+// Launchers of the fused optimizer and norm CUDA kernels. Pure CUDA: raw
+// pointers, sizes, scalars and a stream; no ATen. Each returns the launch's
+// error code. CPU references: csrc/ops/optim.cpp.
+#pragma once
+
+#include "amp_kernels.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace fusetrain::kernels {
+
+/// Per-tensor pointers of one fused Adam(W) step; `max_exp_avg_sq` and
+/// `master` may hold null pointers (no amsgrad / no master weights).
+struct AdamTensors {
+  void* const* param;
+  void* const* grad;
+  void* const* exp_avg;
+  void* const* exp_avg_sq;
+  void* const* max_exp_avg_sq;
+  void* const* master;
+  void* const* step;  // one float each, incremented unless *found_inf
+  const int64_t* numel;
+  int n;
+};
+
+struct AdamScalars {
+  float lr, beta1, beta2, weight_decay, eps;
+  bool amsgrad, maximize, decoupled_weight_decay;
+  const float* grad_scale;  // device pointer or null
+  const float* found_inf;   // device pointer or null
+};
+
+/// `param_type` is the parameters' and gradients' type; moments and masters
+/// are fp32 when `has_master`, else of param_type.
+cudaError_t launch_fused_adam(FloatType param_type, bool has_master, const AdamTensors& tensors,
+                              const AdamScalars& scalars, int max_blocks, cudaStream_t stream);
+
+struct SgdTensors {
+  void* const* param;
+  void* const* grad;
+  void* const* momentum_buffer;  // null pointers when momentum == 0
+  void* const* master;
+  const int64_t* numel;
+  int n;
+};
+
+struct SgdScalars {
+  float lr, momentum, dampening, weight_decay;
+  bool nesterov, maximize, is_first_step;
+  const float* grad_scale;
+  const float* found_inf;
+};
+
+cudaError_t launch_fused_sgd(FloatType param_type, bool has_master, const SgdTensors& tensors,
+                             const SgdScalars& scalars, int max_blocks, cudaStream_t stream);
+
+/// Chunks of kChunkSize elements a tensor of `numel` elements is cut into.
+int64_t chunks_of(int64_t numel);
+
+/// Sum of squares of every tensor into `per_tensor_sq` (fp32 accumulation):
+/// first per chunk of kChunkSize elements into `partials`, indexed by the
+/// chunk's position among all tensors' chunks, then per tensor summed in chunk
+/// order (deterministic). `chunk_begin` (device, n + 1 entries) holds each
+/// tensor's first chunk (prefix sums of chunks_of(numel)).
+cudaError_t launch_sum_squares(FloatType type, void* const* tensors, const int64_t* numel,
+                               int n, float* partials, const int64_t* chunk_begin,
+                               float* per_tensor_sq, int max_blocks, cudaStream_t stream);
+
+}  // namespace fusetrain::kernels

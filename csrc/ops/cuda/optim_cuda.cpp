@@ -1,0 +1,163 @@
+// CUDA glue of the fused optimizer and norm ops: checks, device guard,
+// stream, pointer lists. Kernels: csrc/kernels/optim_kernels.cu.
+#include <fusetrain/kernels/optim_kernels.h>
+#include <fusetrain/ops/checks.h>
+#include <fusetrain/ops/cuda/cuda_utils.h>
+#include <fusetrain/ops/optim.h>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <map>
+#include <vector>
+
+namespace fusetrain::ops::cuda {
+
+namespace {
+
+std::vector<void*> pointers(at::TensorList list, size_t n) {
+  std::vector<void*> out(n, nullptr);
+  for (size_t i = 0; i < list.size(); ++i) out[i] = list[i].data_ptr();
+  return out;
+}
+
+const float* optional_ptr(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->const_data_ptr<float>() : nullptr;
+}
+
+void check_cuda_params(at::TensorList params, const char* op) {
+  TORCH_CHECK(params[0].is_cuda(), op, ": the CUDA kernel got params on ", params[0].device());
+  TORCH_CHECK(params[0].scalar_type() != at::kDouble, op,
+              ": float64 params are not supported on CUDA (the kernels compute in fp32); use "
+              "float32, float16 or bfloat16");
+}
+
+void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                      at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                      at::TensorList master_params, at::TensorList state_steps, double lr,
+                      double beta1, double beta2, double weight_decay, double eps, bool amsgrad,
+                      bool maximize, bool decoupled_weight_decay,
+                      const std::optional<at::Tensor>& grad_scale,
+                      const std::optional<at::Tensor>& found_inf) {
+  constexpr const char* kOp = "fusetrain::fused_adamw_";
+  check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params,
+                   state_steps, amsgrad, grad_scale, found_inf);
+  check_cuda_params(params, kOp);
+  const c10::cuda::CUDAGuard guard(params[0].device());
+  const size_t n = params.size();
+  const auto p = pointers(params, n), g = pointers(grads, n), m = pointers(exp_avgs, n),
+             v = pointers(exp_avg_sqs, n), vmax = pointers(max_exp_avg_sqs, n),
+             master = pointers(master_params, n), steps = pointers(state_steps, n);
+  std::vector<int64_t> numel(n);
+  for (size_t i = 0; i < n; ++i) numel[i] = params[i].numel();
+  const kernels::AdamTensors tensors{p.data(),      g.data(),    m.data(),     v.data(),
+                                     vmax.data(),   master.data(), steps.data(), numel.data(),
+                                     static_cast<int>(n)};
+  const kernels::AdamScalars scalars{static_cast<float>(lr),
+                                     static_cast<float>(beta1),
+                                     static_cast<float>(beta2),
+                                     static_cast<float>(weight_decay),
+                                     static_cast<float>(eps),
+                                     amsgrad,
+                                     maximize,
+                                     decoupled_weight_decay,
+                                     optional_ptr(grad_scale),
+                                     optional_ptr(found_inf)};
+  C10_CUDA_CHECK(kernels::launch_fused_adam(float_type(params[0].scalar_type(), kOp),
+                                            !master_params.empty(), tensors, scalars,
+                                            multi_tensor_blocks(),
+                                            at::cuda::getCurrentCUDAStream()));
+}
+
+void fused_sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                    at::TensorList master_params, double lr, double momentum, double dampening,
+                    double weight_decay, bool nesterov, bool maximize, bool is_first_step,
+                    const std::optional<at::Tensor>& grad_scale,
+                    const std::optional<at::Tensor>& found_inf) {
+  constexpr const char* kOp = "fusetrain::fused_sgd_";
+  check_sgd_args(params, grads, momentum_buffers, master_params, momentum, grad_scale, found_inf);
+  check_cuda_params(params, kOp);
+  const c10::cuda::CUDAGuard guard(params[0].device());
+  const size_t n = params.size();
+  const auto p = pointers(params, n), g = pointers(grads, n), b = pointers(momentum_buffers, n),
+             master = pointers(master_params, n);
+  std::vector<int64_t> numel(n);
+  for (size_t i = 0; i < n; ++i) numel[i] = params[i].numel();
+  const kernels::SgdTensors tensors{p.data(), g.data(), b.data(), master.data(), numel.data(),
+                                    static_cast<int>(n)};
+  const kernels::SgdScalars scalars{static_cast<float>(lr),
+                                    static_cast<float>(momentum),
+                                    static_cast<float>(dampening),
+                                    static_cast<float>(weight_decay),
+                                    nesterov,
+                                    maximize,
+                                    is_first_step,
+                                    optional_ptr(grad_scale),
+                                    optional_ptr(found_inf)};
+  C10_CUDA_CHECK(kernels::launch_fused_sgd(float_type(params[0].scalar_type(), kOp),
+                                           !master_params.empty(), tensors, scalars,
+                                           multi_tensor_blocks(),
+                                           at::cuda::getCurrentCUDAStream()));
+}
+
+// Sum of squares of each tensor of a single-dtype group ([k] float32).
+at::Tensor group_sum_squares(const std::vector<at::Tensor>& group) {
+  constexpr const char* kOp = "fusetrain::multi_tensor_l2norm";
+  const auto device = group[0].device();
+  const int n = static_cast<int>(group.size());
+  std::vector<void*> ptrs(n);
+  std::vector<int64_t> numel(n);
+  at::Tensor chunk_begin_cpu = at::empty({n + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  int64_t* begin = chunk_begin_cpu.data_ptr<int64_t>();
+  begin[0] = 0;
+  for (int i = 0; i < n; ++i) {
+    ptrs[i] = group[i].data_ptr();
+    numel[i] = group[i].numel();
+    begin[i + 1] = begin[i] + kernels::chunks_of(numel[i]);
+  }
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  at::Tensor partials = at::empty({std::max<int64_t>(begin[n], 1)}, f32);
+  at::Tensor chunk_begin = chunk_begin_cpu.to(device, /*non_blocking=*/true);
+  at::Tensor per_sq = at::empty({n}, f32);
+  C10_CUDA_CHECK(kernels::launch_sum_squares(
+      float_type(group[0].scalar_type(), kOp), ptrs.data(), numel.data(), n,
+      partials.data_ptr<float>(), chunk_begin.const_data_ptr<int64_t>(), per_sq.data_ptr<float>(),
+      multi_tensor_blocks(), at::cuda::getCurrentCUDAStream()));
+  return per_sq;
+}
+
+std::tuple<at::Tensor, at::Tensor> l2norm_cuda(at::TensorList tensors, bool per_tensor) {
+  constexpr const char* kOp = "fusetrain::multi_tensor_l2norm";
+  check_float_list(tensors, tensors[0].device(), kOp, "tensors");
+  const c10::cuda::CUDAGuard guard(tensors[0].device());
+  // One launch per dtype; results go back to the caller's order.
+  std::map<at::ScalarType, std::vector<int64_t>> by_dtype;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    by_dtype[tensors[i].scalar_type()].push_back(static_cast<int64_t>(i));
+  }
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(tensors[0].device());
+  at::Tensor per_sq = at::empty({static_cast<int64_t>(tensors.size())}, f32);
+  for (const auto& [dtype, idx] : by_dtype) {
+    std::vector<at::Tensor> group;
+    for (int64_t i : idx) {
+      const at::Tensor& t = tensors[i];
+      group.push_back(t.is_non_overlapping_and_dense() ? t : t.contiguous());
+    }
+    const at::Tensor where = at::tensor(idx, at::TensorOptions().dtype(at::kLong)).to(f32.device());
+    per_sq.index_copy_(0, where, group_sum_squares(group));
+  }
+  at::Tensor total = per_sq.sum().sqrt();
+  return {total, per_tensor ? per_sq.sqrt() : at::empty({0}, f32)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fusetrain, CUDA, m) {
+  m.impl("fused_adamw_", &fused_adamw_cuda);
+  m.impl("fused_sgd_", &fused_sgd_cuda);
+  m.impl("multi_tensor_l2norm", &l2norm_cuda);
+}
+
+}  // namespace fusetrain::ops::cuda

@@ -1,0 +1,448 @@
+// Fused optimizer and norm ops: dispatcher entry points, argument checks, the
+// CPU implementations (the reference for the CUDA kernels) and Meta ones.
+//
+// Note [One pass over many tensors on the CPU]
+// Each op cuts every tensor into chunks of kCpuChunk elements and runs one
+// at::parallel_for over all chunks of all tensors, so that 200 mid-sized
+// tensors keep every thread busy with one fork/join, and each element is read
+// and written exactly once. Per-tensor scalars (bias corrections) are computed
+// before the parallel region.
+#include <fusetrain/ops/checks.h>
+#include <fusetrain/ops/optim.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+namespace fusetrain::ops {
+
+namespace {
+
+constexpr const char* kAdamOp = "fusetrain::fused_adamw_";
+constexpr const char* kSgdOp = "fusetrain::fused_sgd_";
+constexpr const char* kNormOp = "fusetrain::multi_tensor_l2norm";
+constexpr int64_t kCpuChunk = 32768;
+
+void check_optional_scalar(const std::optional<at::Tensor>& t, const at::Tensor& ref,
+                           const char* op, const char* name) {
+  if (!t.has_value() || !t->defined()) return;
+  check_scalar_tensor(*t, op, name, at::kFloat);
+  check_same_device(*t, ref, op, name, "params[0]");
+}
+
+// `list` holds one tensor per parameter (or none when `allow_empty`), each
+// laid out like its parameter so that flat element i matches element i.
+void check_state_list(at::TensorList params, at::TensorList list, const char* op,
+                      const char* name, std::optional<at::ScalarType> dtype, bool allow_empty) {
+  if (allow_empty && list.empty()) return;
+  TORCH_CHECK(list.size() == params.size(), op, ": ", name, " has ", list.size(),
+              " tensors but params has ", params.size());
+  for (size_t i = 0; i < list.size(); ++i) {
+    const at::Tensor& t = list[i];
+    const at::Tensor& p = params[i];
+    TORCH_CHECK(t.defined(), op, ": ", name, "[", i, "] is undefined");
+    TORCH_CHECK(t.device() == p.device(), op, ": ", name, "[", i, "] is on ", t.device(),
+                " but params[", i, "] is on ", p.device());
+    TORCH_CHECK(t.sizes() == p.sizes(), op, ": ", name, "[", i, "] has shape ", t.sizes(),
+                " but params[", i, "] has shape ", p.sizes());
+    TORCH_CHECK(t.strides() == p.strides(), op, ": ", name, "[", i, "] has strides ",
+                t.strides(), " but params[", i, "] has strides ", p.strides(),
+                "; create optimizer state with torch.zeros_like(param)");
+    const at::ScalarType want = dtype.value_or(p.scalar_type());
+    TORCH_CHECK(t.scalar_type() == want, op, ": ", name, "[", i, "] must be ", want, ", got ",
+                t.scalar_type());
+  }
+}
+
+void check_params(at::TensorList params, const char* op) {
+  TORCH_CHECK(!params.empty(), op, ": params is empty");
+  check_float_list(params, params[0].device(), op, "params");
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK(params[i].is_non_overlapping_and_dense(), op, ": params[", i,
+                "] must be dense (non-overlapping, no gaps); got strides ", params[i].strides());
+  }
+}
+
+void check_steps(at::TensorList params, at::TensorList steps, const char* op) {
+  TORCH_CHECK(steps.size() == params.size(), op, ": state_steps has ", steps.size(),
+              " tensors but params has ", params.size());
+  for (size_t i = 0; i < steps.size(); ++i) {
+    check_scalar_tensor(steps[i], op, "state_steps[i]", at::kFloat);
+    TORCH_CHECK(steps[i].device() == params[i].device(), op, ": state_steps[", i, "] is on ",
+                steps[i].device(), " but params[", i, "] is on ", params[i].device());
+  }
+}
+
+struct Chunk {
+  int32_t tensor;
+  int64_t begin, end;
+};
+
+std::vector<Chunk> make_chunks(at::TensorList tensors) {
+  std::vector<Chunk> chunks;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const int64_t n = tensors[i].numel();
+    for (int64_t b = 0; b < n; b += kCpuChunk) {
+      chunks.push_back({static_cast<int32_t>(i), b, std::min(b + kCpuChunk, n)});
+    }
+  }
+  return chunks;
+}
+
+template <typename T>
+T* ptr_or_null(at::TensorList list, size_t i) {
+  return list.empty() ? nullptr : list[i].data_ptr<T>();
+}
+
+// Calls f(P{}, S{}) with the parameter type P and the state type S (fp32 when
+// there are master weights, else the parameter's own type).
+template <typename F>
+void dispatch_param_state(at::ScalarType p, bool master, const char* op, F&& f) {
+  switch (p) {
+    case at::kFloat:
+      return f(float{}, float{});
+    case at::kDouble:
+      TORCH_CHECK(!master, op, ": float64 params take no master weights");
+      return f(double{}, double{});
+    case at::kHalf:
+      return master ? f(c10::Half{}, float{}) : f(c10::Half{}, c10::Half{});
+    case at::kBFloat16:
+      return master ? f(c10::BFloat16{}, float{}) : f(c10::BFloat16{}, c10::BFloat16{});
+    default:
+      TORCH_CHECK(false, op, ": unsupported parameter dtype ", p);
+  }
+}
+
+// Math type: double for double tensors, float for everything else.
+template <typename T>
+using OpMath = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+float read_inv_scale(const std::optional<at::Tensor>& grad_scale) {
+  return grad_scale.has_value() && grad_scale->defined()
+             ? 1.f / *grad_scale->const_data_ptr<float>()
+             : 1.f;
+}
+
+bool skip_step(const std::optional<at::Tensor>& found_inf) {
+  return found_inf.has_value() && found_inf->defined() &&
+         *found_inf->const_data_ptr<float>() != 0.f;
+}
+
+// ------------------------------------------------------------------ AdamW
+
+struct AdamTensorConsts {
+  double step_size;       // lr / (1 - beta1^step)
+  double bc2_sqrt;        // sqrt(1 - beta2^step)
+};
+
+template <typename P, typename S>
+void adam_span(P* __restrict p, const P* __restrict g, S* __restrict m, S* __restrict v,
+               S* __restrict vmax, float* __restrict master, int64_t n, const AdamHyper& h,
+               const AdamTensorConsts& c, float grad_scale_inv, bool unscale) {
+  using M = OpMath<P>;
+  const M lr = h.lr, beta1 = h.beta1, beta2 = h.beta2, wd = h.weight_decay, eps = h.eps;
+  const M step_size = c.step_size, bc2_sqrt = c.bc2_sqrt, inv = grad_scale_inv;
+  const M decay = 1 - lr * wd;
+  for (int64_t i = 0; i < n; ++i) {
+    M grad = static_cast<M>(g[i]);
+    if (unscale) grad = grad * inv;
+    if (h.maximize) grad = -grad;
+    M param = master != nullptr ? static_cast<M>(master[i]) : static_cast<M>(p[i]);
+    if (wd != 0) {
+      if (h.decoupled_weight_decay) {
+        param = param * decay;
+      } else {
+        grad = grad + wd * param;
+      }
+    }
+    const M mi = beta1 * static_cast<M>(m[i]) + (1 - beta1) * grad;
+    const M vi = beta2 * static_cast<M>(v[i]) + (1 - beta2) * grad * grad;
+    m[i] = static_cast<S>(mi);
+    v[i] = static_cast<S>(vi);
+    M second = vi;
+    if (vmax != nullptr) {
+      second = std::max(static_cast<M>(vmax[i]), vi);
+      vmax[i] = static_cast<S>(second);
+    }
+    const M denom = std::sqrt(second) / bc2_sqrt + eps;
+    param = param - step_size * mi / denom;
+    if (master != nullptr) master[i] = static_cast<float>(param);
+    p[i] = static_cast<P>(param);
+  }
+}
+
+void fused_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                     at::TensorList master_params, at::TensorList state_steps, double lr,
+                     double beta1, double beta2, double weight_decay, double eps, bool amsgrad,
+                     bool maximize, bool decoupled_weight_decay,
+                     const std::optional<at::Tensor>& grad_scale,
+                     const std::optional<at::Tensor>& found_inf) {
+  check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params,
+                   state_steps, amsgrad, grad_scale, found_inf);
+  if (skip_step(found_inf)) return;
+  const AdamHyper h{lr, beta1, beta2, weight_decay, eps, amsgrad, maximize,
+                    decoupled_weight_decay};
+  std::vector<AdamTensorConsts> consts(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    float* step = state_steps[i].data_ptr<float>();
+    *step += 1.f;
+    consts[i].step_size = lr / (1.0 - std::pow(beta1, static_cast<double>(*step)));
+    consts[i].bc2_sqrt = std::sqrt(1.0 - std::pow(beta2, static_cast<double>(*step)));
+  }
+  const float inv = read_inv_scale(grad_scale);
+  const bool unscale = grad_scale.has_value() && grad_scale->defined();
+  const bool master = !master_params.empty();
+  const std::vector<Chunk> chunks = make_chunks(params);
+  dispatch_param_state(params[0].scalar_type(), master, kAdamOp, [&](auto ptag, auto stag) {
+    using P = decltype(ptag);
+    using S = decltype(stag);
+    at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t k = lo; k < hi; ++k) {
+        const Chunk& c = chunks[k];
+        const size_t i = c.tensor;
+        const int64_t b = c.begin;
+        adam_span<P, S>(params[i].data_ptr<P>() + b, grads[i].const_data_ptr<P>() + b,
+                        exp_avgs[i].data_ptr<S>() + b, exp_avg_sqs[i].data_ptr<S>() + b,
+                        amsgrad ? max_exp_avg_sqs[i].data_ptr<S>() + b : nullptr,
+                        master ? master_params[i].data_ptr<float>() + b : nullptr, c.end - b, h,
+                        consts[i], inv, unscale);
+      }
+    });
+  });
+}
+
+// -------------------------------------------------------------------- SGD
+
+template <typename P, typename S>
+void sgd_span(P* __restrict p, const P* __restrict g, S* __restrict buf, float* __restrict master,
+              int64_t n, const SgdHyper& h, bool first, float grad_scale_inv, bool unscale) {
+  using M = OpMath<P>;
+  const M lr = h.lr, momentum = h.momentum, wd = h.weight_decay, inv = grad_scale_inv;
+  const M keep = 1 - static_cast<M>(h.dampening);
+  for (int64_t i = 0; i < n; ++i) {
+    M grad = static_cast<M>(g[i]);
+    if (unscale) grad = grad * inv;
+    if (h.maximize) grad = -grad;
+    M param = master != nullptr ? static_cast<M>(master[i]) : static_cast<M>(p[i]);
+    if (wd != 0) grad = grad + wd * param;
+    if (buf != nullptr) {
+      const M b = first ? grad : momentum * static_cast<M>(buf[i]) + keep * grad;
+      buf[i] = static_cast<S>(b);
+      grad = h.nesterov ? grad + momentum * b : b;
+    }
+    param = param - lr * grad;
+    if (master != nullptr) master[i] = static_cast<float>(param);
+    p[i] = static_cast<P>(param);
+  }
+}
+
+void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                   at::TensorList master_params, double lr, double momentum, double dampening,
+                   double weight_decay, bool nesterov, bool maximize, bool is_first_step,
+                   const std::optional<at::Tensor>& grad_scale,
+                   const std::optional<at::Tensor>& found_inf) {
+  check_sgd_args(params, grads, momentum_buffers, master_params, momentum, grad_scale, found_inf);
+  if (skip_step(found_inf)) return;
+  const SgdHyper h{lr, momentum, dampening, weight_decay, nesterov, maximize};
+  const float inv = read_inv_scale(grad_scale);
+  const bool unscale = grad_scale.has_value() && grad_scale->defined();
+  const bool master = !master_params.empty();
+  const bool has_buf = !momentum_buffers.empty();
+  const std::vector<Chunk> chunks = make_chunks(params);
+  dispatch_param_state(params[0].scalar_type(), master, kSgdOp, [&](auto ptag, auto stag) {
+    using P = decltype(ptag);
+    using S = decltype(stag);
+    at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t k = lo; k < hi; ++k) {
+        const Chunk& c = chunks[k];
+        const size_t i = c.tensor;
+        const int64_t b = c.begin;
+        sgd_span<P, S>(params[i].data_ptr<P>() + b, grads[i].const_data_ptr<P>() + b,
+                       has_buf ? momentum_buffers[i].data_ptr<S>() + b : nullptr,
+                       master ? master_params[i].data_ptr<float>() + b : nullptr, c.end - b, h,
+                       is_first_step, inv, unscale);
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------- L2 norm
+
+template <typename T>
+double sum_squares(const T* x, int64_t n) {
+  double acc = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = static_cast<double>(x[i]);
+    acc += v * v;
+  }
+  return acc;
+}
+
+std::tuple<at::Tensor, at::Tensor> l2norm_cpu(at::TensorList tensors, bool per_tensor) {
+  const auto out_opts = at::TensorOptions().dtype(at::kFloat);
+  if (tensors.empty()) {
+    return {at::zeros({}, out_opts), per_tensor ? at::zeros({0}, out_opts) : at::empty({0}, out_opts)};
+  }
+  check_float_list(tensors, tensors[0].device(), kNormOp, "tensors");
+  std::vector<at::Tensor> dense;
+  dense.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) {
+    dense.push_back(t.is_non_overlapping_and_dense() ? t : t.contiguous());
+  }
+  const std::vector<Chunk> chunks = make_chunks(dense);
+  std::vector<double> partial(chunks.size(), 0.0);
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t k = lo; k < hi; ++k) {
+      const Chunk& c = chunks[k];
+      const at::Tensor& t = dense[c.tensor];
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), kNormOp, [&] {
+        partial[k] = sum_squares(t.const_data_ptr<scalar_t>() + c.begin, c.end - c.begin);
+      });
+    }
+  });
+  // Summed in chunk order: deterministic for any thread count.
+  std::vector<double> per(tensors.size(), 0.0);
+  for (size_t k = 0; k < chunks.size(); ++k) per[chunks[k].tensor] += partial[k];
+  double total = 0.0;
+  for (double s : per) total += s;
+  at::Tensor norms = at::empty({per_tensor ? static_cast<int64_t>(per.size()) : 0}, out_opts);
+  if (per_tensor) {
+    float* out = norms.data_ptr<float>();
+    for (size_t i = 0; i < per.size(); ++i) out[i] = static_cast<float>(std::sqrt(per[i]));
+  }
+  return {at::full({}, std::sqrt(total), out_opts), norms};
+}
+
+// ------------------------------------------------------------------ Meta
+
+void fused_adamw_meta(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                      at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                      at::TensorList master_params, at::TensorList state_steps, double, double,
+                      double, double, double, bool amsgrad, bool, bool,
+                      const std::optional<at::Tensor>& grad_scale,
+                      const std::optional<at::Tensor>& found_inf) {
+  check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params,
+                   state_steps, amsgrad, grad_scale, found_inf);
+}
+
+void fused_sgd_meta(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                    at::TensorList master_params, double, double momentum, double, double, bool,
+                    bool, bool, const std::optional<at::Tensor>& grad_scale,
+                    const std::optional<at::Tensor>& found_inf) {
+  check_sgd_args(params, grads, momentum_buffers, master_params, momentum, grad_scale, found_inf);
+}
+
+std::tuple<at::Tensor, at::Tensor> l2norm_meta(at::TensorList tensors, bool per_tensor) {
+  const auto opts = at::TensorOptions().dtype(at::kFloat).device(at::kMeta);
+  return {at::empty({}, opts),
+          at::empty({per_tensor ? static_cast<int64_t>(tensors.size()) : 0}, opts)};
+}
+
+}  // namespace
+
+void check_adamw_args(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                      at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                      at::TensorList master_params, at::TensorList state_steps, bool amsgrad,
+                      const std::optional<at::Tensor>& grad_scale,
+                      const std::optional<at::Tensor>& found_inf) {
+  check_params(params, kAdamOp);
+  const bool master = !master_params.empty();
+  const std::optional<at::ScalarType> state_dtype =
+      master ? std::optional<at::ScalarType>(at::kFloat) : std::nullopt;
+  check_state_list(params, grads, kAdamOp, "grads", std::nullopt, false);
+  check_state_list(params, exp_avgs, kAdamOp, "exp_avgs", state_dtype, false);
+  check_state_list(params, exp_avg_sqs, kAdamOp, "exp_avg_sqs", state_dtype, false);
+  TORCH_CHECK(amsgrad || max_exp_avg_sqs.empty(), kAdamOp,
+              ": max_exp_avg_sqs must be empty without amsgrad");
+  check_state_list(params, max_exp_avg_sqs, kAdamOp, "max_exp_avg_sqs", state_dtype, !amsgrad);
+  check_state_list(params, master_params, kAdamOp, "master_params", at::kFloat, true);
+  check_steps(params, state_steps, kAdamOp);
+  const at::ScalarType dtype = params[0].scalar_type();
+  for (size_t i = 1; i < params.size(); ++i) {
+    TORCH_CHECK(params[i].scalar_type() == dtype, kAdamOp, ": params[", i, "] is ",
+                params[i].scalar_type(), " but params[0] is ", dtype,
+                "; group parameters by dtype");
+  }
+  check_optional_scalar(grad_scale, params[0], kAdamOp, "grad_scale");
+  check_optional_scalar(found_inf, params[0], kAdamOp, "found_inf");
+}
+
+void check_sgd_args(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                    at::TensorList master_params, double momentum,
+                    const std::optional<at::Tensor>& grad_scale,
+                    const std::optional<at::Tensor>& found_inf) {
+  check_params(params, kSgdOp);
+  const bool master = !master_params.empty();
+  const std::optional<at::ScalarType> state_dtype =
+      master ? std::optional<at::ScalarType>(at::kFloat) : std::nullopt;
+  check_state_list(params, grads, kSgdOp, "grads", std::nullopt, false);
+  TORCH_CHECK(momentum != 0 || momentum_buffers.empty(), kSgdOp,
+              ": momentum_buffers must be empty when momentum is 0");
+  check_state_list(params, momentum_buffers, kSgdOp, "momentum_buffers", state_dtype,
+                   momentum == 0);
+  check_state_list(params, master_params, kSgdOp, "master_params", at::kFloat, true);
+  const at::ScalarType dtype = params[0].scalar_type();
+  for (size_t i = 1; i < params.size(); ++i) {
+    TORCH_CHECK(params[i].scalar_type() == dtype, kSgdOp, ": params[", i, "] is ",
+                params[i].scalar_type(), " but params[0] is ", dtype,
+                "; group parameters by dtype");
+  }
+  check_optional_scalar(grad_scale, params[0], kSgdOp, "grad_scale");
+  check_optional_scalar(found_inf, params[0], kSgdOp, "found_inf");
+}
+
+void fused_adamw_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                  at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                  at::TensorList master_params, at::TensorList state_steps, const AdamHyper& h,
+                  const std::optional<at::Tensor>& grad_scale,
+                  const std::optional<at::Tensor>& found_inf) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow(kAdamOp, "")
+          .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+                      at::TensorList, at::TensorList, at::TensorList, double, double, double,
+                      double, double, bool, bool, bool, const std::optional<at::Tensor>&,
+                      const std::optional<at::Tensor>&)>();
+  op.call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, state_steps, h.lr,
+          h.beta1, h.beta2, h.weight_decay, h.eps, h.amsgrad, h.maximize,
+          h.decoupled_weight_decay, grad_scale, found_inf);
+}
+
+void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                at::TensorList master_params, const SgdHyper& h, bool is_first_step,
+                const std::optional<at::Tensor>& grad_scale,
+                const std::optional<at::Tensor>& found_inf) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow(kSgdOp, "")
+                       .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+                                   double, double, double, double, bool, bool, bool,
+                                   const std::optional<at::Tensor>&,
+                                   const std::optional<at::Tensor>&)>();
+  op.call(params, grads, momentum_buffers, master_params, h.lr, h.momentum, h.dampening,
+          h.weight_decay, h.nesterov, h.maximize, is_first_step, grad_scale, found_inf);
+}
+
+std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors, bool per_tensor) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow(kNormOp, "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(at::TensorList, bool)>();
+  return op.call(tensors, per_tensor);
+}
+
+TORCH_LIBRARY_IMPL(fusetrain, CPU, m) {
+  m.impl("fused_adamw_", &fused_adamw_cpu);
+  m.impl("fused_sgd_", &fused_sgd_cpu);
+  m.impl("multi_tensor_l2norm", &l2norm_cpu);
+}
+
+TORCH_LIBRARY_IMPL(fusetrain, Meta, m) {
+  m.impl("fused_adamw_", &fused_adamw_meta);
+  m.impl("fused_sgd_", &fused_sgd_meta);
+  m.impl("multi_tensor_l2norm", &l2norm_meta);
+}
+
+}  // namespace fusetrain::ops
