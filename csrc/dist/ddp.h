@@ -1,0 +1,199 @@
+// Synchronous data parallelism for LibTorch and Python: DistributedDataParallel
+// over any c10d process group (gloo on CPUs, NCCL on GPUs).
+//
+// Note [Bucketed gradient reduction]
+// Parameters are grouped into buckets (about 1 MB first, then bucket_cap_mb,
+// in reverse parameter order: roughly the order autograd produces gradients).
+// A post-hook on each parameter's gradient accumulator copies the gradient
+// into its bucket, divided by the world size in the same pass (cast to
+// comm_dtype when set). When a bucket's last gradient arrives its allreduce
+// starts, overlapping the rest of the backward pass; buckets are launched
+// strictly in index order on every rank, so all ranks issue the same
+// collective sequence. A callback queued on the autograd engine waits for the
+// buckets at the end of backward and writes the averaged gradients back to
+// param.grad (or makes param.grad a view of the bucket with
+// gradient_as_bucket_view). With a GradScaler the allreduce carries any
+// inf/NaN to every rank, so all ranks skip the same steps with no extra
+// collective.
+#pragma once
+
+#include <fusetrain/dist/process_group.h>
+
+#include <ATen/ATen.h>
+#include <torch/arg.h>
+#include <torch/nn/module.h>
+#include <torch/ordered_dict.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace c10d {
+class ProcessGroup;
+}  // namespace c10d
+
+namespace fusetrain::dist {
+
+struct DDPOptions {
+  /// Size of every bucket after the first, in MiB.
+  TORCH_ARG(double, bucket_cap_mb) = 25.0;
+  /// Size of the first bucket (the last gradients of backward), in MiB.
+  TORCH_ARG(double, first_bucket_cap_mb) = 1.0;
+  /// Re-broadcast buffers (e.g. batch-norm statistics) from rank 0 in every forward.
+  TORCH_ARG(bool, broadcast_buffers) = true;
+  /// Tolerate parameters that get no gradient in an iteration (their gradient
+  /// is reduced as zeros). Without it such a parameter is an error naming it.
+  TORCH_ARG(bool, find_unused_parameters) = false;
+  /// param.grad becomes a view into its bucket (saves a copy and memory).
+  TORCH_ARG(bool, gradient_as_bucket_view) = false;
+  /// Communicate in this dtype (e.g. bfloat16): compressed allreduce.
+  TORCH_ARG(std::optional<at::ScalarType>, comm_dtype) = std::nullopt;
+  /// Gradients are divided by this before the allreduce and by
+  /// world_size / factor after it (fp16 overflow headroom). 1: divide before.
+  TORCH_ARG(double, gradient_predivide_factor) = 1.0;
+};
+
+/// Sizes of buckets as lists of parameter indices: parameters in reverse
+/// order, a new bucket when adding one would pass the cap (first bucket:
+/// first_cap_bytes) or when the dtype or device changes. Pure; unit-tested.
+std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<at::Tensor>& params,
+                                                           size_t first_cap_bytes,
+                                                           size_t cap_bytes);
+
+/// Checks that every rank has the same number of parameters with the same
+/// shapes; raises on every rank, naming the first mismatch, instead of hanging.
+void verify_param_shapes(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                         const std::vector<at::Tensor>& params,
+                         const std::vector<std::string>& names);
+
+/// Overwrites `tensors` with rank 0's values (coalesced broadcasts).
+void broadcast_from_rank0(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                          const std::vector<at::Tensor>& tensors);
+
+/// The gradient synchroniser of Note [Bucketed gradient reduction]; the
+/// engine under both the C++ and the Python DistributedDataParallel.
+class Reducer {
+ public:
+  Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
+          c10::intrusive_ptr<c10d::ProcessGroup> group, DDPOptions options);
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  /// Arms the hooks for the next backward. `outputs` are the forward's
+  /// outputs; with find_unused_parameters the graph from them is searched
+  /// for the parameters that will get no gradient.
+  void prepare_for_backward(const std::vector<at::Tensor>& outputs);
+
+  /// Off: backward only accumulates local gradients (no_sync).
+  void set_require_sync(bool require);
+  bool require_sync() const;
+
+  /// The bucket layout (parameter indices per bucket), for tests and tools.
+  std::vector<std::vector<size_t>> bucket_indices() const;
+
+  /// Seconds of the last backward spent waiting for allreduces after the
+  /// last gradient was ready, and the total allreduce time (for the overlap
+  /// benchmark): overlap = 1 - exposed / total.
+  double last_exposed_comm_seconds() const;
+  double last_total_comm_seconds() const;
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+/// DistributedDataParallel for a torch::nn module holder (e.g. a TORCH_MODULE
+/// type or std::shared_ptr<M>):
+///
+///   auto group = fusetrain::dist::init_process_group(*Environment::from_env());
+///   fusetrain::dist::DistributedDataParallel<Net> ddp(net, group);
+///   auto loss = criterion(ddp.forward(x), y);
+///   loss.backward();   // gradients averaged across ranks when it returns
+///
+/// At construction parameter shapes are checked across ranks and parameters
+/// and buffers broadcast from rank 0.
+template <typename ModuleHolder>
+class DistributedDataParallel {
+ public:
+  DistributedDataParallel(ModuleHolder module, c10::intrusive_ptr<c10d::ProcessGroup> group,
+                          DDPOptions options = {})
+      : module_(std::move(module)), group_(std::move(group)), options_(options) {
+    std::vector<at::Tensor> params;
+    std::vector<std::string> names;
+    for (const auto& item : module_->named_parameters()) {
+      if (!item.value().requires_grad()) continue;
+      names.push_back(item.key());
+      params.push_back(item.value());
+    }
+    verify_param_shapes(group_, params, names);
+    std::vector<at::Tensor> state = params;
+    for (const auto& b : module_->buffers()) state.push_back(b);
+    broadcast_from_rank0(group_, state);
+    reducer_ = std::make_unique<Reducer>(params, names, group_, options_);
+  }
+
+  template <typename... Args>
+  auto forward(Args&&... args) {
+    if (options_.broadcast_buffers()) {
+      const auto buffers = module_->buffers();
+      if (!buffers.empty()) broadcast_from_rank0(group_, buffers);
+    }
+    auto output = module_->forward(std::forward<Args>(args)...);
+    if (at::GradMode::is_enabled()) reducer_->prepare_for_backward(tensors_of(output));
+    return output;
+  }
+
+  /// Gradient accumulation: within the guard's scope backward only
+  /// accumulates local gradients; the first backward after it synchronises.
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(Reducer& reducer) : reducer_(reducer), prev_(reducer.require_sync()) {
+      reducer_.set_require_sync(false);
+    }
+    ~NoSyncGuard() { reducer_.set_require_sync(prev_); }
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    Reducer& reducer_;
+    bool prev_;
+  };
+  [[nodiscard]] std::unique_ptr<NoSyncGuard> no_sync() {
+    return std::make_unique<NoSyncGuard>(*reducer_);
+  }
+
+  ModuleHolder& module() { return module_; }
+  Reducer& reducer() { return *reducer_; }
+
+  /// The wrapped module's parameters and buffers under a "module." prefix,
+  /// as torch's DistributedDataParallel names them.
+  torch::OrderedDict<std::string, at::Tensor> state_dict() const {
+    torch::OrderedDict<std::string, at::Tensor> out;
+    for (const auto& p : module_->named_parameters()) out.insert("module." + p.key(), p.value());
+    for (const auto& b : module_->named_buffers()) out.insert("module." + b.key(), b.value());
+    return out;
+  }
+
+ private:
+  static std::vector<at::Tensor> tensors_of(const at::Tensor& t) { return {t}; }
+  static std::vector<at::Tensor> tensors_of(const std::vector<at::Tensor>& ts) { return ts; }
+  template <typename... T>
+  static std::vector<at::Tensor> tensors_of(const std::tuple<T...>& tuple) {
+    std::vector<at::Tensor> out;
+    std::apply([&](const auto&... x) { (append(out, x), ...); }, tuple);
+    return out;
+  }
+  static void append(std::vector<at::Tensor>& out, const at::Tensor& t) { out.push_back(t); }
+  template <typename T>
+  static void append(std::vector<at::Tensor>&, const T&) {}
+
+  ModuleHolder module_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  DDPOptions options_;
+  std::unique_ptr<Reducer> reducer_;
+};
+
+}  // namespace fusetrain::dist

@@ -1,0 +1,55 @@
+// Process groups for data parallelism: torch.distributed's own c10d groups
+// (gloo on CPUs, NCCL on GPUs) created from the torchrun environment through
+// a TCP store, with a timeout on every collective.
+#pragma once
+
+#include <c10/core/DeviceType.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <optional>
+#include <string>
+
+namespace c10d {
+class ProcessGroup;
+class Store;
+}  // namespace c10d
+
+namespace fusetrain::dist {
+
+/// The torchrun environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT.
+struct Environment {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+
+  /// Reads the variables; nullopt when RANK or WORLD_SIZE is unset. A
+  /// malformed or out-of-range value is an error naming the variable.
+  static std::optional<Environment> from_env();
+};
+
+struct ProcessGroupOptions {
+  /// "gloo", "nccl", or "auto" (nccl for CUDA, gloo for CPU).
+  std::string backend = "auto";
+  /// Device the group serves; picks the backend under "auto".
+  c10::DeviceType device_type = c10::DeviceType::CPU;
+  /// Bound on the store rendezvous and on every collective.
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+};
+
+/// Creates the group for `env`: rank 0 hosts a c10d::TCPStore at
+/// master_addr:master_port, every rank joins it, and the backend is built on it.
+c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const Environment& env,
+                                                          const ProcessGroupOptions& options = {});
+
+/// A free TCP port on the loopback interface (for spawning local ranks).
+int free_port();
+
+/// Whether this build can create NCCL groups (CUDA build with NCCL).
+bool nccl_available();
+/// Whether this build can create gloo groups.
+bool gloo_available();
+
+}  // namespace fusetrain::dist
