@@ -4,6 +4,8 @@
 #include <fusetrain/amp/float32_module.h>
 #include <fusetrain/amp/grad_scaler.h>
 #include <fusetrain/amp/policy.h>
+#include <fusetrain/dist/ddp.h>
+#include <fusetrain/dist/process_group.h>
 #include <fusetrain/ops/amp.h>
 #include <fusetrain/ops/optim.h>
 #include <fusetrain/optim/fused.h>

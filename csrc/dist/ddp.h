@@ -50,7 +50,8 @@ struct DDPOptions {
   /// Communicate in this dtype (e.g. bfloat16): compressed allreduce.
   TORCH_ARG(std::optional<at::ScalarType>, comm_dtype) = std::nullopt;
   /// Gradients are divided by this before the allreduce and by
-  /// world_size / factor after it (fp16 overflow headroom). 1: divide before.
+  /// world_size / factor after it (fp16 overflow headroom, as apex). The
+  /// default 1 divides by world_size before, as torch's DDP does.
   TORCH_ARG(double, gradient_predivide_factor) = 1.0;
 };
 
@@ -93,11 +94,11 @@ class Reducer {
   /// The bucket layout (parameter indices per bucket), for tests and tools.
   std::vector<std::vector<size_t>> bucket_indices() const;
 
-  /// Seconds of the last backward spent waiting for allreduces after the
-  /// last gradient was ready, and the total allreduce time (for the overlap
-  /// benchmark): overlap = 1 - exposed / total.
+  /// Seconds the last synchronised backward spent, after its last gradient
+  /// was ready, waiting for allreduces: the communication not hidden behind
+  /// the backward pass (the overlap benchmark compares it with the time of
+  /// the same allreduces alone).
   double last_exposed_comm_seconds() const;
-  double last_total_comm_seconds() const;
 
   struct Impl;
 

@@ -2,6 +2,7 @@
 // behaviour lives in the C++ components and is documented there.
 #include <fusetrain/fusetrain.h>
 
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/extension.h>
 
 #include <pybind11/stl.h>
@@ -64,6 +65,17 @@ c10::impl::GenericDict from_py(const py::dict& state) {
   }
   return out;
 }
+
+std::optional<at::ScalarType> parse_comm_dtype(const std::optional<std::string>& name) {
+  if (!name.has_value()) return std::nullopt;
+  if (*name == "float16") return at::kHalf;
+  if (*name == "bfloat16") return at::kBFloat16;
+  if (*name == "float32") return at::kFloat;
+  throw py::value_error("comm_dtype must be None, torch.float16, torch.bfloat16 or torch.float32, got " +
+                        *name);
+}
+
+using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 
 }  // namespace
 
@@ -128,4 +140,36 @@ PYBIND11_MODULE(_C, m) {
            [](GradScaler& s, const py::dict& state) { s.load_state_dict(from_py(state)); })
       .def("save", &GradScaler::save)
       .def("load", &GradScaler::load);
+
+  namespace dist = fusetrain::dist;
+  py::class_<dist::Reducer>(m, "Reducer")
+      .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
+                       ProcessGroupPtr group, double bucket_cap_mb, double first_bucket_cap_mb,
+                       bool find_unused_parameters, bool gradient_as_bucket_view,
+                       std::optional<std::string> comm_dtype, double gradient_predivide_factor) {
+             dist::DDPOptions o;
+             o.bucket_cap_mb(bucket_cap_mb)
+                 .first_bucket_cap_mb(first_bucket_cap_mb)
+                 .find_unused_parameters(find_unused_parameters)
+                 .gradient_as_bucket_view(gradient_as_bucket_view)
+                 .comm_dtype(parse_comm_dtype(comm_dtype))
+                 .gradient_predivide_factor(gradient_predivide_factor);
+             return std::make_unique<dist::Reducer>(std::move(params), std::move(names),
+                                                    std::move(group), o);
+           }),
+           py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("bucket_cap_mb"),
+           py::arg("first_bucket_cap_mb"), py::arg("find_unused_parameters"),
+           py::arg("gradient_as_bucket_view"), py::arg("comm_dtype"),
+           py::arg("gradient_predivide_factor"))
+      .def("prepare_for_backward", &dist::Reducer::prepare_for_backward)
+      .def("set_require_sync", &dist::Reducer::set_require_sync)
+      .def("require_sync", &dist::Reducer::require_sync)
+      .def("bucket_indices", &dist::Reducer::bucket_indices)
+      .def("last_exposed_comm_seconds", &dist::Reducer::last_exposed_comm_seconds);
+  m.def("verify_param_shapes", &dist::verify_param_shapes, py::arg("process_group"),
+        py::arg("params"), py::arg("names"));
+  m.def("broadcast_from_rank0", &dist::broadcast_from_rank0, py::arg("process_group"),
+        py::arg("tensors"));
+  m.def("compute_bucket_assignment", &dist::compute_bucket_assignment, py::arg("params"),
+        py::arg("first_cap_bytes"), py::arg("cap_bytes"));
 }

@@ -7,8 +7,9 @@ choose a precision with ``fusetrain.amp.Policy``.
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
-from . import amp
+from . import amp, optim, parallel, utils
+from . import nn
 
 __version__ = _C.version()
 
-__all__ = ["amp", "__version__"]
+__all__ = ["amp", "nn", "optim", "parallel", "utils", "__version__"]

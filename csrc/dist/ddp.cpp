@@ -1,0 +1,417 @@
+// The DDP reducer (Note [Bucketed gradient reduction] in ddp.h), the shape
+// check and the rank-0 broadcast.
+#include <fusetrain/dist/ddp.h>
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
+#include <mutex>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace fusetrain::dist {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+at::Device collective_device(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                             const std::vector<at::Tensor>& tensors) {
+  // NCCL groups take CUDA tensors, gloo groups CPU ones.
+  if (!tensors.empty() && tensors[0].is_cuda()) return tensors[0].device();
+  return at::Device(at::kCPU);
+}
+
+void wait_or_throw(const c10::intrusive_ptr<c10d::Work>& work, const char* what) {
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "DistributedDataParallel: ", what,
+                " failed (a rank may have exited or timed out): ", e.what());
+  }
+}
+
+std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream out;
+  out << s;
+  return out.str();
+}
+
+}  // namespace
+
+std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<at::Tensor>& params,
+                                                           size_t first_cap_bytes,
+                                                           size_t cap_bytes) {
+  std::vector<std::vector<size_t>> buckets;
+  size_t bytes = 0;
+  for (size_t k = params.size(); k-- > 0;) {
+    const at::Tensor& p = params[k];
+    const size_t size = static_cast<size_t>(p.numel()) * p.element_size();
+    bool fresh = buckets.empty();
+    if (!fresh) {
+      const at::Tensor& head = params[buckets.back().front()];
+      const size_t cap = buckets.size() == 1 ? first_cap_bytes : cap_bytes;
+      fresh = head.scalar_type() != p.scalar_type() || head.device() != p.device() ||
+              bytes + size > cap;
+    }
+    if (fresh) {
+      buckets.emplace_back();
+      bytes = 0;
+    }
+    buckets.back().push_back(k);
+    bytes += size;
+  }
+  return buckets;
+}
+
+void verify_param_shapes(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                         const std::vector<at::Tensor>& params,
+                         const std::vector<std::string>& names) {
+  // Signature: [count, (ndim, sizes...)...] allgathered after its length.
+  std::vector<int64_t> sig{static_cast<int64_t>(params.size())};
+  for (const auto& p : params) {
+    sig.push_back(p.dim());
+    for (int64_t s : p.sizes()) sig.push_back(s);
+  }
+  const at::Device device = collective_device(group, params);
+  const auto opts = at::TensorOptions().dtype(at::kLong).device(device);
+  const int world = group->getSize();
+  std::vector<at::Tensor> len_in{at::full({1}, static_cast<int64_t>(sig.size()), opts)};
+  std::vector<std::vector<at::Tensor>> len_out(1);
+  for (int r = 0; r < world; ++r) len_out[0].push_back(at::empty({1}, opts));
+  wait_or_throw(group->allgather(len_out, len_in), "the parameter shape check");
+  int64_t longest = 0;
+  for (const auto& t : len_out[0]) longest = std::max(longest, t.to(at::kCPU).item<int64_t>());
+  at::Tensor mine = at::full({longest}, -1, opts);
+  mine.narrow(0, 0, static_cast<int64_t>(sig.size()))
+      .copy_(at::tensor(sig, at::TensorOptions().dtype(at::kLong)));
+  std::vector<at::Tensor> in{mine};
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int r = 0; r < world; ++r) out[0].push_back(at::empty({longest}, opts));
+  wait_or_throw(group->allgather(out, in), "the parameter shape check");
+  const at::Tensor ref = out[0][0].to(at::kCPU);
+  const int64_t* r0 = ref.const_data_ptr<int64_t>();
+  for (int r = 1; r < world; ++r) {
+    const at::Tensor other = out[0][r].to(at::kCPU);
+    const int64_t* o = other.const_data_ptr<int64_t>();
+    TORCH_CHECK(r0[0] == o[0], "DistributedDataParallel: rank 0 has ", r0[0],
+                " parameters but rank ", r, " has ", o[0],
+                "; every rank must build the same model");
+    int64_t pos = 1;
+    for (int64_t i = 0; i < r0[0]; ++i) {
+      const int64_t nd0 = r0[pos], nd1 = o[pos];
+      bool same = nd0 == nd1;
+      for (int64_t d = 0; same && d < nd0; ++d) same = r0[pos + 1 + d] == o[pos + 1 + d];
+      if (!same) {
+        std::vector<int64_t> s0(r0 + pos + 1, r0 + pos + 1 + nd0);
+        std::vector<int64_t> s1(o + pos + 1, o + pos + 1 + nd1);
+        TORCH_CHECK(false, "DistributedDataParallel: parameter ", i, " (\"",
+                    i < static_cast<int64_t>(names.size()) ? names[i] : "?", "\") has shape ",
+                    shape_str(s0), " on rank 0 but ", shape_str(s1), " on rank ", r,
+                    "; every rank must build the same model");
+      }
+      pos += 1 + nd0;
+    }
+  }
+}
+
+void broadcast_from_rank0(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                          const std::vector<at::Tensor>& tensors) {
+  if (group->getSize() == 1 || tensors.empty()) return;
+  at::NoGradGuard no_grad;
+  // Coalesced per dtype, in buffers of at most 250 MB (as torch's DDP).
+  constexpr int64_t kMaxBytes = 250LL << 20;
+  std::unordered_map<int, std::vector<at::Tensor>> by_dtype;
+  for (const auto& t : tensors) by_dtype[static_cast<int>(t.scalar_type())].push_back(t);
+  for (auto& entry : by_dtype) {
+    auto& list = entry.second;
+    size_t begin = 0;
+    while (begin < list.size()) {
+      size_t end = begin;
+      int64_t bytes = 0;
+      while (end < list.size() && (end == begin || bytes + list[end].nbytes() <= kMaxBytes)) {
+        bytes += static_cast<int64_t>(list[end].nbytes());
+        ++end;
+      }
+      std::vector<at::Tensor> flat;
+      for (size_t i = begin; i < end; ++i) flat.push_back(list[i].detach().reshape(-1));
+      std::vector<at::Tensor> buf{at::cat(flat)};
+      c10d::BroadcastOptions opts;
+      opts.rootRank = 0;
+      wait_or_throw(group->broadcast(buf, opts), "broadcasting rank 0's parameters");
+      int64_t offset = 0;
+      for (size_t i = begin; i < end; ++i) {
+        const int64_t n = list[i].numel();
+        list[i].detach().copy_(buf[0].narrow(0, offset, n).view(list[i].sizes()));
+        offset += n;
+      }
+      begin = end;
+    }
+  }
+}
+
+// ------------------------------------------------------------------ Reducer
+
+struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
+  struct Bucket {
+    std::vector<size_t> params;
+    std::vector<int64_t> offsets;
+    at::Tensor buffer;  // flat, in the communication dtype
+    size_t pending = 0;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+
+  std::vector<at::Tensor> params;
+  std::vector<std::string> names;
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+  DDPOptions options;
+  std::vector<Bucket> buckets;
+  std::vector<size_t> bucket_of, slot_of;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  std::vector<uintptr_t> hook_keys;
+
+  std::mutex mutex;
+  bool armed = false;
+  bool require_sync = true;
+  bool finalize_queued = false;
+  size_t next_bucket = 0;
+  std::vector<char> ready;
+  at::Tensor local_used;  // int32 [num params], for find_unused_parameters
+  Clock::time_point last_ready{};
+  double exposed_seconds = 0.0;
+
+  double pre_divide() const {
+    const double f = options.gradient_predivide_factor();
+    return f == 1.0 ? static_cast<double>(group->getSize()) : f;
+  }
+  double post_divide() const {
+    const double f = options.gradient_predivide_factor();
+    return f == 1.0 ? 1.0 : static_cast<double>(group->getSize()) / f;
+  }
+
+  void build_buckets() {
+    const auto assignment = compute_bucket_assignment(
+        params, static_cast<size_t>(options.first_bucket_cap_mb() * (1 << 20)),
+        static_cast<size_t>(options.bucket_cap_mb() * (1 << 20)));
+    bucket_of.assign(params.size(), 0);
+    slot_of.assign(params.size(), 0);
+    for (size_t b = 0; b < assignment.size(); ++b) {
+      Bucket bucket;
+      bucket.params = assignment[b];
+      int64_t total = 0;
+      for (size_t s = 0; s < bucket.params.size(); ++s) {
+        const size_t i = bucket.params[s];
+        bucket_of[i] = b;
+        slot_of[i] = s;
+        bucket.offsets.push_back(total);
+        total += params[i].numel();
+      }
+      const at::Tensor& head = params[bucket.params.front()];
+      bucket.buffer = at::zeros(
+          {total}, head.options().dtype(options.comm_dtype().value_or(head.scalar_type())));
+      buckets.push_back(std::move(bucket));
+    }
+  }
+
+  at::Tensor view_of(size_t i) {
+    const Bucket& b = buckets[bucket_of[i]];
+    return b.buffer.narrow(0, b.offsets[slot_of[i]], params[i].numel()).view(params[i].sizes());
+  }
+
+  void register_hooks(const std::shared_ptr<Impl>& self) {
+    const std::weak_ptr<Impl> weak = self;
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto acc = torch::autograd::impl::grad_accumulator(params[i]);
+      TORCH_CHECK(acc != nullptr, "DistributedDataParallel: parameter ", i, " (\"", names[i],
+                  "\") is not a leaf that requires grad");
+      hook_keys.push_back(acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+          [weak, i](const torch::autograd::variable_list& outputs,
+                    const torch::autograd::variable_list&) {
+            if (auto impl = weak.lock()) impl->on_grad_ready(i);
+            return outputs;
+          })));
+      accumulators.push_back(std::move(acc));
+    }
+  }
+
+  void unregister_hooks() {
+    for (size_t i = 0; i < accumulators.size(); ++i) accumulators[i]->del_post_hook(hook_keys[i]);
+  }
+
+  // The gradient of parameter i is final for this backward: copy it into its
+  // bucket (scaled, cast) and launch every bucket that is complete and next.
+  void on_grad_ready(size_t i) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!armed || !require_sync) return;
+    if (!finalize_queued) {
+      finalize_queued = true;
+      const std::weak_ptr<Impl> weak = shared_from_this();
+      torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+        if (auto impl = weak.lock()) impl->finalize();
+      });
+    }
+    TORCH_CHECK(!ready[i], "DistributedDataParallel: parameter ", i, " (\"", names[i],
+                "\") received its gradient twice in one backward; a parameter used in several "
+                "forward passes per backward needs no_sync() or a single forward");
+    const at::Tensor& grad = params[i].grad();
+    at::Tensor view = view_of(i);
+    if (grad.defined()) {
+      at::NoGradGuard no_grad;
+      if (!grad.is_alias_of(view)) view.copy_(grad);
+      if (pre_divide() != 1.0) view.mul_(1.0 / pre_divide());
+    } else {
+      view.zero_();
+    }
+    mark_ready(i);
+    if (local_used.defined()) local_used.data_ptr<int32_t>()[i] = 1;
+  }
+
+  void mark_ready(size_t i) {
+    ready[i] = 1;
+    Bucket& b = buckets[bucket_of[i]];
+    if (--b.pending == 0) last_ready = Clock::now();
+    launch_ready_buckets();
+  }
+
+  // Strictly in index order: every rank issues the same collective sequence.
+  void launch_ready_buckets() {
+    while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) {
+      std::vector<at::Tensor> tensors{buckets[next_bucket].buffer};
+      buckets[next_bucket].work = group->allreduce(tensors);
+      ++next_bucket;
+    }
+  }
+
+  void prepare(const std::vector<at::Tensor>& outputs) {
+    std::lock_guard<std::mutex> lock(mutex);
+    armed = require_sync;
+    finalize_queued = false;
+    next_bucket = 0;
+    ready.assign(params.size(), 0);
+    for (auto& b : buckets) {
+      b.pending = b.params.size();
+      b.work.reset();
+    }
+    if (!armed) return;
+    if (options.find_unused_parameters()) {
+      local_used = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
+      // Parameters whose accumulator the outputs cannot reach get no gradient
+      // this iteration: their slots are zeros, ready now.
+      std::unordered_set<torch::autograd::Node*> seen;
+      std::vector<torch::autograd::Node*> stack;
+      for (const auto& out : outputs) {
+        if (out.defined() && out.grad_fn()) stack.push_back(out.grad_fn().get());
+      }
+      while (!stack.empty()) {
+        torch::autograd::Node* node = stack.back();
+        stack.pop_back();
+        if (!seen.insert(node).second) continue;
+        for (const auto& edge : node->next_edges()) {
+          if (edge.function) stack.push_back(edge.function.get());
+        }
+      }
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (seen.count(accumulators[i].get()) == 0) {
+          view_of(i).zero_();
+          mark_ready(i);
+        }
+      }
+    }
+  }
+
+  void finalize() {
+    std::unique_lock<std::mutex> lock(mutex);
+    if (!armed) return;
+    armed = false;
+    if (next_bucket < buckets.size()) {
+      std::ostringstream missing;
+      int shown = 0;
+      for (size_t i = 0; i < params.size() && shown < 5; ++i) {
+        if (!ready[i]) missing << (shown++ ? ", " : "") << '"' << names[i] << "\" (index " << i << ')';
+      }
+      TORCH_CHECK(false, "DistributedDataParallel: parameters got no gradient in this backward: ",
+                  missing.str(),
+                  ". Pass find_unused_parameters=True if some parameters are unused in some "
+                  "iterations, or remove them from the model");
+    }
+    c10::intrusive_ptr<c10d::Work> used_work;
+    std::vector<at::Tensor> used;
+    if (local_used.defined()) {
+      used.push_back(local_used.to(collective_device(group, params)));
+      used_work = group->allreduce(used);
+    }
+    for (auto& b : buckets) wait_or_throw(b.work, "a gradient allreduce");
+    exposed_seconds = std::chrono::duration<double>(Clock::now() - last_ready).count();
+    at::Tensor globally_used;
+    if (used_work) {
+      wait_or_throw(used_work, "the unused-parameter allreduce");
+      globally_used = used[0].to(at::kCPU);
+    }
+    at::NoGradGuard no_grad;
+    const double post = post_divide();
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (globally_used.defined() && globally_used.const_data_ptr<int32_t>()[i] == 0) continue;
+      at::Tensor view = view_of(i);
+      if (post != 1.0) view.mul_(1.0 / post);
+      at::Tensor param = params[i];
+      const bool same_dtype = view.scalar_type() == param.scalar_type();
+      if (options.gradient_as_bucket_view() && same_dtype) {
+        if (!param.grad().defined() || !param.grad().is_alias_of(view)) param.mutable_grad() = view;
+      } else if (param.grad().defined()) {
+        param.mutable_grad().copy_(view);
+      } else {
+        param.mutable_grad() = view.to(param.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+      }
+    }
+  }
+};
+
+Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
+                 c10::intrusive_ptr<c10d::ProcessGroup> group, DDPOptions options)
+    : impl_(std::make_shared<Impl>()) {
+  TORCH_CHECK_VALUE(!params.empty(), "DistributedDataParallel: the module has no parameters "
+                    "that require grad");
+  TORCH_CHECK_VALUE(names.size() == params.size(), "Reducer: ", params.size(),
+                    " parameters but ", names.size(), " names");
+  TORCH_CHECK_VALUE(options.bucket_cap_mb() > 0, "bucket_cap_mb must be > 0, got ",
+                    options.bucket_cap_mb());
+  TORCH_CHECK_VALUE(options.gradient_predivide_factor() > 0,
+                    "gradient_predivide_factor must be > 0, got ",
+                    options.gradient_predivide_factor());
+  impl_->params = std::move(params);
+  impl_->names = std::move(names);
+  impl_->group = std::move(group);
+  impl_->options = options;
+  impl_->build_buckets();
+  impl_->register_hooks(impl_);
+}
+
+Reducer::~Reducer() { impl_->unregister_hooks(); }
+
+void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
+  impl_->prepare(outputs);
+}
+
+void Reducer::set_require_sync(bool require) {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->require_sync = require;
+}
+
+bool Reducer::require_sync() const { return impl_->require_sync; }
+
+std::vector<std::vector<size_t>> Reducer::bucket_indices() const {
+  std::vector<std::vector<size_t>> out;
+  for (const auto& b : impl_->buckets) out.push_back(b.params);
+  return out;
+}
+
+double Reducer::last_exposed_comm_seconds() const { return impl_->exposed_seconds; }
+
+}  // namespace fusetrain::dist
