@@ -5,7 +5,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-.PHONY: deps configure build test test-cpp test-python train bench gpu-check clean format
+.PHONY: deps configure build test train bench gpu-check gpu-deps clean format
 
 deps:
 	@scripts/install-deps.sh
@@ -24,13 +24,18 @@ test: build
 	@scripts/run-tests.sh $(PYTHON) $(BUILD)
 
 train: build
-	$(PYTHON) -m fusetrain.demo
+	$(BUILD)/fusetrain train --config configs/fashion_mnist.yaml
 
 bench: build
 	$(PYTHON) bench/run.py
 
+# On the GPU box (torch, nvcc, cmake there; no apt): PYTHON=python3 is its torch.
 gpu-check:
-	scripts/gpu_check.sh
+	PYTHON=$${PYTHON:-python3} scripts/gpu_check.sh
+
+# Here, before a device run: stage the Debian headers/libs the box lacks.
+gpu-deps:
+	scripts/stage-gpu-deps.sh
 
 format:
 	clang-format -i $$(git ls-files 'csrc/*.h' 'csrc/*.cpp' 'csrc/*.cu' 'csrc/*.cuh' 'trainer/*.cpp' 'tests/cpp/*.cpp')
