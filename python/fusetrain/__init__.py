@@ -7,9 +7,10 @@ choose a precision with ``fusetrain.amp.Policy``.
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
-from . import amp, optim, parallel, utils
+from . import amp, graph, optim, parallel, utils
+from .graph import fuse_steps
 from . import nn
 
 __version__ = _C.version()
 
-__all__ = ["amp", "nn", "optim", "parallel", "utils", "__version__"]
+__all__ = ["amp", "fuse_steps", "graph", "nn", "optim", "parallel", "utils", "__version__"]

@@ -1,0 +1,125 @@
+// Step fusion: K steps per execution, captured as one CUDA graph on CUDA and
+// run back to back (no host sync between them) on the CPU.
+#include <fusetrain/graph/fused_steps.h>
+
+#include <c10/util/Exception.h>
+
+#ifdef FUSETRAIN_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <utility>
+
+namespace fusetrain::graph {
+
+struct FusedSteps::Graph {
+#ifdef FUSETRAIN_WITH_CUDA
+  at::cuda::CUDAGraph graph;
+#endif
+  std::vector<std::vector<at::Tensor>> inputs;  // K static batches
+  at::Tensor outputs;                           // [K, ...] written by the replay
+};
+
+FusedSteps::FusedSteps(StepFn step, const std::vector<at::Tensor>& sample_batch,
+                       FusedStepsOptions options)
+    : step_(std::move(step)), sample_(sample_batch), options_(options) {
+  TORCH_CHECK_VALUE(step_ != nullptr, "FusedSteps: step is empty");
+  TORCH_CHECK_VALUE(options.steps_per_execution >= 1,
+                    "FusedSteps: steps_per_execution must be >= 1, got ",
+                    options.steps_per_execution);
+  TORCH_CHECK_VALUE(options.warmup_executions >= 0,
+                    "FusedSteps: warmup_executions must be >= 0, got ", options.warmup_executions);
+  TORCH_CHECK_VALUE(!sample_.empty(), "FusedSteps: sample_batch holds no tensor");
+}
+
+FusedSteps::~FusedSteps() = default;
+
+void FusedSteps::check_batch(const std::vector<at::Tensor>& batch, size_t index) const {
+  TORCH_CHECK_VALUE(batch.size() == sample_.size(), "FusedSteps: batch ", index, " has ",
+                    batch.size(), " tensors but the sample batch has ", sample_.size());
+  for (size_t t = 0; t < batch.size(); ++t) {
+    TORCH_CHECK_VALUE(batch[t].sizes() == sample_[t].sizes(), "FusedSteps: batch ", index,
+                      " tensor ", t, " has shape ", batch[t].sizes(), " but the sample has ",
+                      sample_[t].sizes(),
+                      "; fused steps need static shapes (drop or pad the last partial batch)");
+    TORCH_CHECK_VALUE(batch[t].scalar_type() == sample_[t].scalar_type(), "FusedSteps: batch ",
+                      index, " tensor ", t, " is ", batch[t].scalar_type(), " but the sample is ",
+                      sample_[t].scalar_type());
+  }
+}
+
+at::Tensor FusedSteps::run_eager(const std::vector<std::vector<at::Tensor>>& batches) {
+  std::vector<at::Tensor> outs;
+  outs.reserve(batches.size());
+  for (const auto& b : batches) outs.push_back(step_(b));
+  return at::stack(outs);
+}
+
+bool FusedSteps::captured() const { return graph_ != nullptr; }
+
+void FusedSteps::reset() { graph_.reset(); }
+
+at::Tensor FusedSteps::run(const std::vector<std::vector<at::Tensor>>& batches) {
+  const int64_t k = options_.steps_per_execution;
+  TORCH_CHECK_VALUE(!batches.empty() && static_cast<int64_t>(batches.size()) <= k,
+                    "FusedSteps: run() takes 1 to ", k, " batches, got ", batches.size());
+  for (size_t i = 0; i < batches.size(); ++i) check_batch(batches[i], i);
+  const bool cuda = sample_[0].is_cuda() && options_.use_cuda_graph;
+  if (!cuda || static_cast<int64_t>(batches.size()) < k || executions_ < options_.warmup_executions) {
+    ++executions_;
+    return run_eager(batches);
+  }
+#ifdef FUSETRAIN_WITH_CUDA
+  if (!graph_) {
+    auto g = std::make_unique<Graph>();
+    for (const auto& b : batches) {
+      std::vector<at::Tensor> copy;
+      for (const auto& t : b) copy.push_back(t.clone());
+      g->inputs.push_back(std::move(copy));
+    }
+    // Capture on a side stream (the current stream may be the legacy default
+    // stream, which cannot be captured); the caller's stream waits for it.
+    const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+    const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream();
+    at::cuda::CUDAEvent inputs_ready;  // the static inputs' copies come before capture
+    inputs_ready.record(caller);
+    inputs_ready.block(side);
+    {
+      const c10::cuda::CUDAStreamGuard on_side(side);
+      try {
+        g->graph.capture_begin();
+        std::vector<at::Tensor> outs;
+        for (const auto& b : g->inputs) outs.push_back(step_(b));
+        g->outputs = at::stack(outs);
+        g->graph.capture_end();
+      } catch (const c10::Error& e) {
+        TORCH_CHECK(false, "FusedSteps: the step cannot be captured as a CUDA graph: ",
+                    e.what_without_backtrace(),
+                    "\nCommon causes: a host sync in the step (.item(), printing a tensor, a "
+                    "GradScaler with an optimizer that does not take the scale on the device), "
+                    "shapes that change between steps, or CPU tensors in the step.");
+      }
+    }
+    at::cuda::CUDAEvent captured;
+    captured.record(side);
+    captured.block(caller);
+    graph_ = std::move(g);
+  }
+  for (size_t i = 0; i < batches.size(); ++i) {
+    for (size_t t = 0; t < batches[i].size(); ++t) {
+      graph_->inputs[i][t].copy_(batches[i][t], /*non_blocking=*/true);
+    }
+  }
+  graph_->graph.replay();
+  ++executions_;
+  return graph_->outputs.clone();
+#else
+  TORCH_CHECK(false, "FusedSteps: CUDA batches need a CUDA build of fusetrain");
+#endif
+}
+
+}  // namespace fusetrain::graph

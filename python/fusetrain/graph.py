@@ -1,0 +1,161 @@
+"""Step fusion: several training steps per execution (Keras'
+``steps_per_execution``), with no host synchronisation between them.
+
+    def train_step(x, y):
+        with fusetrain.amp.autocast("mixed_bfloat16"):
+            loss = loss_fn(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)            # FusedAdamW: the overflow check stays on the device
+        scaler.update()
+        opt.zero_grad(set_to_none=False)
+        return loss.detach()
+
+    fused = fusetrain.fuse_steps(train_step, (x0, y0), steps_per_execution=16)
+    for chunk in chunks_of_16_batches:
+        losses = fused(chunk)       # [16] losses on the device
+        print(losses.mean().item()) # one host sync per execution
+
+On CUDA the K steps are captured once as a CUDA graph that reads a ring of K
+static input buffers, and each execution is one graph replay. The first
+``warmup_executions`` run eagerly (they allocate optimizer state; DDP needs at
+least 11 eager iterations before capture). What a step reads as a Python
+number at capture time (e.g. the learning rate) is frozen into the graph:
+call ``reset()`` after changing it. On the CPU the K steps run back to back.
+Either way the results equal K unfused calls of the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Sequence
+
+import torch
+
+__all__ = ["fuse_steps", "FusedSteps"]
+
+
+def _as_tensors(batch: Any, where: str) -> List[torch.Tensor]:
+    items = list(batch) if isinstance(batch, (list, tuple)) else [batch]
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: element {i} is {type(t).__name__}, not a tensor")
+    return items
+
+
+class FusedSteps:
+    """``steps_per_execution`` steps of ``step_fn`` per call; see the module doc."""
+
+    def __init__(
+        self,
+        step_fn: Callable[..., torch.Tensor],
+        sample_batch: Any,
+        steps_per_execution: int = 1,
+        *,
+        warmup_executions: int = 2,
+        use_cuda_graph: bool = True,
+    ):
+        if steps_per_execution < 1:
+            raise ValueError(f"steps_per_execution must be >= 1, got {steps_per_execution}")
+        if warmup_executions < 0:
+            raise ValueError(f"warmup_executions must be >= 0, got {warmup_executions}")
+        self.step_fn = step_fn
+        self.steps_per_execution = int(steps_per_execution)
+        self.warmup_executions = int(warmup_executions)
+        self._sample = _as_tensors(sample_batch, "sample_batch")
+        if not self._sample:
+            raise ValueError("sample_batch holds no tensor")
+        self._tuple = isinstance(sample_batch, (list, tuple))
+        self._cuda = use_cuda_graph and self._sample[0].is_cuda
+        self._executions = 0
+        self._graph = None
+        self._static_inputs: List[List[torch.Tensor]] = []
+        self._static_outputs = None
+
+    @property
+    def captured(self) -> bool:
+        return self._graph is not None
+
+    def reset(self) -> None:
+        """Drops the captured graph; the next full execution captures again."""
+        self._graph = None
+        self._static_inputs = []
+        self._static_outputs = None
+
+    def _check(self, batch: List[torch.Tensor], index: int) -> None:
+        if len(batch) != len(self._sample):
+            raise ValueError(
+                f"batch {index} has {len(batch)} tensors but the sample batch has {len(self._sample)}"
+            )
+        for t, (a, s) in enumerate(zip(batch, self._sample)):
+            if a.shape != s.shape:
+                raise ValueError(
+                    f"batch {index} tensor {t} has shape {tuple(a.shape)} but the sample has "
+                    f"{tuple(s.shape)}; fused steps need static shapes (drop or pad the last "
+                    "partial batch)"
+                )
+            if a.dtype != s.dtype or a.device != s.device:
+                raise ValueError(
+                    f"batch {index} tensor {t} is {a.dtype} on {a.device} but the sample is "
+                    f"{s.dtype} on {s.device}"
+                )
+
+    def _call(self, batch: List[torch.Tensor]) -> torch.Tensor:
+        return self.step_fn(*batch) if self._tuple else self.step_fn(batch[0])
+
+    def _eager(self, batches: List[List[torch.Tensor]]) -> torch.Tensor:
+        return torch.stack([self._call(b) for b in batches])
+
+    def __call__(self, batches: Sequence[Any]) -> torch.Tensor:
+        """Runs one step per batch (1 to K batches; fewer than K run eagerly)
+        and returns the steps' outputs stacked along a new first dimension,
+        on the device, without a host sync."""
+        batches = [_as_tensors(b, f"batch {i}") for i, b in enumerate(batches)]
+        if not 1 <= len(batches) <= self.steps_per_execution:
+            raise ValueError(
+                f"a fused execution takes 1 to {self.steps_per_execution} batches, got {len(batches)}"
+            )
+        for i, b in enumerate(batches):
+            self._check(b, i)
+        full = len(batches) == self.steps_per_execution
+        if not self._cuda or not full or self._executions < self.warmup_executions:
+            self._executions += 1
+            return self._eager(batches)
+        if self._graph is None:
+            self._capture(batches)
+        for static, batch in zip(self._static_inputs, batches):
+            for dst, src in zip(static, batch):
+                dst.copy_(src, non_blocking=True)
+        self._graph.replay()
+        self._executions += 1
+        return self._static_outputs.clone()
+
+    def _capture(self, batches: List[List[torch.Tensor]]) -> None:
+        self._static_inputs = [[t.clone() for t in b] for b in batches]
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.graph(graph, stream=side):
+                self._static_outputs = torch.stack([self._call(b) for b in self._static_inputs])
+        except RuntimeError as e:
+            self.reset()
+            raise RuntimeError(
+                "fuse_steps: the step cannot be captured as a CUDA graph: "
+                f"{e}\nCommon causes: a host sync in the step (.item(), printing a tensor, a "
+                "GradScaler with an optimizer that does not take the scale on the device), "
+                "shapes that change between steps, or CPU tensors in the step."
+            ) from e
+        torch.cuda.current_stream().wait_stream(side)
+        self._graph = graph
+
+
+def fuse_steps(
+    step_fn: Callable[..., torch.Tensor],
+    sample_batch: Any,
+    steps_per_execution: int = 1,
+    **kwargs,
+) -> FusedSteps:
+    """Returns a callable that runs ``steps_per_execution`` steps of
+    ``step_fn`` per call. ``step_fn`` takes one batch (the tensors of a tuple
+    batch as separate arguments) and returns a tensor that stays on the
+    device; ``sample_batch`` fixes the shapes. See the module doc."""
+    return FusedSteps(step_fn, sample_batch, steps_per_execution, **kwargs)
