@@ -5,19 +5,26 @@
 
 #include <torch/nn/module.h>
 
+#include <type_traits>
 #include <utility>
 
 namespace fusetrain::amp {
 
 namespace detail {
-inline at::Tensor to_float32(const at::Tensor& t) {
+inline at::Tensor tensor_to_float32(const at::Tensor& t) {
   return t.defined() && at::isFloatingType(t.scalar_type()) && t.scalar_type() != at::kFloat
              ? t.to(at::kFloat)
              : t;
 }
+// One template for every argument: an overload for `const at::Tensor&` next
+// to a forwarding template would lose to it for rvalue and non-const tensors.
 template <typename T>
-T&& to_float32(T&& value) {
-  return std::forward<T>(value);
+decltype(auto) to_float32(T&& value) {
+  if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+    return tensor_to_float32(value);
+  } else {
+    return std::forward<T>(value);
+  }
 }
 }  // namespace detail
 
