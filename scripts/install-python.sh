@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Makes the freshly built package importable from PYTHON: the extension and
-# libfusetrain are copied next to python/fusetrain/, and the environment gets
-# an editable install pointing at python/ (once).
+# libfusetrain are placed next to python/fusetrain/ (copied, then renamed over
+# the old ones, so a running Python keeps its mapped copies), and the
+# environment gets an editable install pointing at python/ (once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-.venv/bin/python}
 BUILD=${2:-build}
-cp -f "$BUILD"/_C.*.so "$BUILD"/libfusetrain.so python/fusetrain/
+for f in "$BUILD"/_C.*.so "$BUILD"/libfusetrain.so; do
+  dest=python/fusetrain/$(basename "$f")
+  cp -f "$f" "$dest.new"
+  mv -f "$dest.new" "$dest"
+done
 if ! (cd /tmp && "$PY" -c 'import fusetrain' 2>/dev/null); then
   site=$("$PY" -c 'import site; print(site.getsitepackages()[0])')
   if [ -w "$site" ]; then

@@ -20,7 +20,7 @@ Run make_run() {
                                                          fusetrain::optim::FusedAdamWOptions(1e-2));
   auto model = r.model;
   auto* opt = r.opt.get();
-  r.step = [model, opt](const std::vector<at::Tensor>& b) {
+  r.step = [model, opt](const std::vector<at::Tensor>& b) mutable {
     auto loss = torch::mse_loss(model->forward(b[0]), b[1]);
     loss.backward();
     opt->step();

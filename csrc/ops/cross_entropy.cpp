@@ -1,0 +1,578 @@
+// Fused softmax cross-entropy: dispatcher entry points, argument checks, the
+// CPU implementation (the reference the CUDA kernels are tested against) and
+// the Meta one used by torch.compile's tracing.
+//
+// Note [Cross-entropy CPU vectorization]
+// libfusetrain is compiled for baseline x86-64, where at::vec::Vectorized
+// falls back to scalar loops (torch builds its own kernels once per CPU
+// capability). The row loops here are therefore written with AVX2/FMA/F16C
+// intrinsics in functions carrying a target attribute, chosen at run time
+// when torch itself would pick its AVX2 (or AVX-512) kernels: the same
+// ATEN_CPU_CAPABILITY environment variable forces the portable scalar loops,
+// which is how the tests cover both.
+#include <fusetrain/ops/checks.h>
+#include <fusetrain/ops/cross_entropy.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/Version.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define FUSETRAIN_CE_HAVE_AVX2 1
+#define FUSETRAIN_AVX2 __attribute__((target("avx2,fma,f16c")))
+#else
+#define FUSETRAIN_CE_HAVE_AVX2 0
+#endif
+
+namespace fusetrain::ops {
+
+namespace {
+constexpr const char* kForwardOp = "fusetrain::softmax_cross_entropy_forward";
+constexpr const char* kBackwardOp = "fusetrain::softmax_cross_entropy_backward";
+// Logit elements per unit of parallel work: enough to amortise scheduling,
+// few enough that a small batch of wide rows still spreads over every thread.
+constexpr int64_t kCpuGrain = 32768;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+}  // namespace
+
+Reduction parse_reduction(const std::string& reduction, const char* op) {
+  if (reduction == "mean") return Reduction::kMean;
+  if (reduction == "sum") return Reduction::kSum;
+  if (reduction == "none") return Reduction::kNone;
+  TORCH_CHECK_VALUE(false, op, ": reduction must be \"mean\", \"sum\" or \"none\", got \"",
+                    reduction, "\"");
+}
+
+void check_cross_entropy_forward_args(const at::Tensor& logits, const at::Tensor& target,
+                                      double label_smoothing, const std::string& reduction) {
+  TORCH_CHECK(logits.defined(), kForwardOp, ": logits is undefined");
+  TORCH_CHECK(target.defined(), kForwardOp, ": target is undefined");
+  TORCH_CHECK(logits.dim() == 2, kForwardOp, ": logits must be 2-D [N, C], got shape ",
+              logits.sizes());
+  const at::ScalarType dtype = logits.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, kForwardOp,
+              ": logits must be float32, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), kForwardOp,
+              ": target must be 1-D with one class index per row of logits (", logits.size(0),
+              "), got shape ", target.sizes());
+  TORCH_CHECK(target.scalar_type() == at::kLong, kForwardOp, ": target must be int64, got ",
+              target.scalar_type());
+  check_same_device(target, logits, kForwardOp, "target", "logits");
+  TORCH_CHECK_VALUE(label_smoothing >= 0.0 && label_smoothing <= 1.0, kForwardOp,
+                    ": label_smoothing must be in [0, 1], got ", label_smoothing);
+  parse_reduction(reduction, kForwardOp);
+}
+
+void check_cross_entropy_backward_args(const at::Tensor& grad_loss, const at::Tensor& logits,
+                                       const at::Tensor& target, const at::Tensor& lse,
+                                       double label_smoothing, const std::string& reduction) {
+  check_cross_entropy_forward_args(logits, target, label_smoothing, reduction);
+  const int64_t n = logits.size(0);
+  TORCH_CHECK(grad_loss.defined(), kBackwardOp, ": grad_loss is undefined");
+  TORCH_CHECK(grad_loss.scalar_type() == at::kFloat, kBackwardOp,
+              ": grad_loss must be float32 (the loss's dtype), got ", grad_loss.scalar_type());
+  if (parse_reduction(reduction, kBackwardOp) == Reduction::kNone) {
+    TORCH_CHECK(grad_loss.dim() == 1 && grad_loss.size(0) == n, kBackwardOp,
+                ": with reduction \"none\" grad_loss must have shape [", n, "], got ",
+                grad_loss.sizes());
+  } else {
+    TORCH_CHECK(grad_loss.numel() == 1, kBackwardOp, ": with reduction \"", reduction,
+                "\" grad_loss must hold one element, got shape ", grad_loss.sizes());
+  }
+  TORCH_CHECK(lse.defined(), kBackwardOp, ": lse is undefined");
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.dim() == 1 && lse.size(0) == n, kBackwardOp,
+              ": lse must be the forward's float32 [", n, "] output, got ", lse.scalar_type(),
+              " of shape ", lse.sizes());
+  check_same_device(grad_loss, logits, kBackwardOp, "grad_loss", "logits");
+  check_same_device(lse, logits, kBackwardOp, "lse", "logits");
+}
+
+at::Tensor with_contiguous_rows(const at::Tensor& logits) {
+  // A size-1 class dimension may carry any stride: its one element is found
+  // through the row stride alone.
+  if (logits.size(1) <= 1 || logits.stride(1) == 1) return logits;
+  return logits.contiguous();
+}
+
+std::tuple<at::Tensor, at::Tensor> softmax_cross_entropy_forward(const at::Tensor& logits,
+                                                                 const at::Tensor& target,
+                                                                 int64_t ignore_index,
+                                                                 double label_smoothing,
+                                                                 const std::string& reduction) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow(kForwardOp, "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t,
+                                                    double, c10::string_view)>();
+  return op.call(logits, target, ignore_index, label_smoothing, reduction);
+}
+
+at::Tensor softmax_cross_entropy_backward(const at::Tensor& grad_loss, const at::Tensor& logits,
+                                          const at::Tensor& target, const at::Tensor& lse,
+                                          int64_t ignore_index, double label_smoothing,
+                                          const std::string& reduction) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow(kBackwardOp, "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, int64_t, double, c10::string_view)>();
+  return op.call(grad_loss, logits, target, lse, ignore_index, label_smoothing, reduction);
+}
+
+namespace {
+
+// ------------------------------------------------------------ scalar rows
+
+// Portable row loops (and the reference for the vector ones): two passes
+// over the row, which stays in L1/L2 between them.
+template <typename T>
+void row_stats_scalar(const T* x, int64_t c, double* lse, double* sum_x) {
+  float m = kNegInf;
+  double sx = 0.0;
+  for (int64_t j = 0; j < c; ++j) {
+    const float v = static_cast<float>(x[j]);
+    m = std::max(m, v);
+    sx += v;
+  }
+  // A row of -inf has no finite maximum to subtract: exp(-inf - -inf) would
+  // be NaN; shifting by 0 gives the sum 0 and lse -inf instead.
+  const float shift = m == kNegInf ? 0.f : m;
+  double s = 0.0;
+  for (int64_t j = 0; j < c; ++j) s += std::exp(static_cast<float>(x[j]) - shift);
+  *lse = shift + std::log(s);
+  *sum_x = sx;
+}
+
+template <typename T>
+void row_grad_scalar(const T* x, int64_t c, float lse, float scale, float smooth, T* out) {
+  for (int64_t j = 0; j < c; ++j) {
+    out[j] = static_cast<T>((std::exp(static_cast<float>(x[j]) - lse) - smooth) * scale);
+  }
+}
+
+float exp_scalar(float v) { return std::exp(v); }
+
+// ------------------------------------------------------------ AVX2 rows
+
+#if FUSETRAIN_CE_HAVE_AVX2
+
+FUSETRAIN_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+FUSETRAIN_AVX2 inline __m256 load8(const c10::BFloat16* p) {
+  // bf16 is the top half of an fp32: widen and shift into place.
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+FUSETRAIN_AVX2 inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+FUSETRAIN_AVX2 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+FUSETRAIN_AVX2 inline void store8(c10::BFloat16* p, __m256 v) {
+  // Round to nearest even, NaN to the canonical 0x7fc0: bit for bit what
+  // c10::BFloat16's conversion does.
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  r = _mm256_srli_epi32(r, 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+  // packus works per 128-bit lane; the permute gathers the two halves.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+
+FUSETRAIN_AVX2 inline void store8(c10::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+// exp(x) for 8 floats, Cephes' expf: x = n ln2 + r with |r| <= ln2/2 (ln2
+// in two parts, so r is exact), a degree-6 polynomial for e^r, and n added
+// to the result's exponent bits; about 1 ulp. The callers pass x <= 0 (a
+// logit minus its row's maximum), so there is no overflow to guard; below
+// -86 (e^-86 < 5e-38, where the exponent add would leave the normal range)
+// it returns 0, so -inf logits get an exact zero probability. NaN stays NaN.
+FUSETRAIN_AVX2 inline __m256 exp8(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-86.f), _CMP_LT_OQ);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+  // y * 2^n: y is in [0.7, 1.5), so adding n to its exponent stays normal
+  // for n >= -124 (x >= -86).
+  const __m256i scaled =
+      _mm256_add_epi32(_mm256_castps_si256(y), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23));
+  return _mm256_andnot_ps(underflow, _mm256_castsi256_ps(scaled));
+}
+
+FUSETRAIN_AVX2 float exp_avx2(float v) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(v))); }
+
+// Per-lane online log-sum-exp: lane l keeps its running maximum m[l] and
+// s[l] = sum exp(x - m[l]). A chunk of K vectors is summed in fp32 (K terms
+// a lane) and then added to fp64 accumulators: an fp32 running sum over a
+// wide row drops its smallest terms and biases the log-sum-exp low (by
+// ~1e-6 relative at C = 32768). The plain sum of the logits (for label
+// smoothing) is kept the same way. Lanes 0-3 and 4-7 each fill one __m256d.
+struct OnlineLse {
+  __m256 m;
+  __m256d s_lo, s_hi;
+  __m256d sum_lo, sum_hi;
+};
+
+FUSETRAIN_AVX2 inline void add_wide(__m256d& lo, __m256d& hi, __m256 v) {
+  lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+  hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+}
+
+template <int K>
+FUSETRAIN_AVX2 inline __m256 chunk_sum(const __m256* v) {
+  __m256 sum = v[0];
+#pragma GCC unroll 8
+  for (int k = 1; k < K; ++k) sum = _mm256_add_ps(sum, v[k]);
+  return sum;
+}
+
+template <int K>
+FUSETRAIN_AVX2 inline void online_update(OnlineLse& acc, const __m256* v) {
+  __m256 cm = v[0];
+#pragma GCC unroll 8
+  for (int k = 1; k < K; ++k) cm = _mm256_max_ps(cm, v[k]);
+  const __m256 nm = _mm256_max_ps(acc.m, cm);
+  // Lanes whose maximum did not move keep their sum; this also covers lanes
+  // that have seen only -inf so far (-inf - -inf is NaN). Past the first
+  // chunks of a row the maximum rarely moves, so the rescale is a branch.
+  const __m256 same = _mm256_cmp_ps(acc.m, nm, _CMP_EQ_OQ);
+  if (_mm256_movemask_ps(same) != 0xff) {
+    const __m256 factor =
+        _mm256_blendv_ps(exp8(_mm256_sub_ps(acc.m, nm)), _mm256_set1_ps(1.f), same);
+    acc.s_lo = _mm256_mul_pd(acc.s_lo, _mm256_cvtps_pd(_mm256_castps256_ps128(factor)));
+    acc.s_hi = _mm256_mul_pd(acc.s_hi, _mm256_cvtps_pd(_mm256_extractf128_ps(factor, 1)));
+    acc.m = nm;
+  }
+  // Subtracting 0 instead of a -inf maximum makes exp(-inf - 0) = 0.
+  const __m256 shift = _mm256_blendv_ps(nm, _mm256_setzero_ps(),
+                                        _mm256_cmp_ps(nm, _mm256_set1_ps(kNegInf), _CMP_EQ_OQ));
+  __m256 e = exp8(_mm256_sub_ps(v[0], shift));
+#pragma GCC unroll 8
+  for (int k = 1; k < K; ++k) e = _mm256_add_ps(e, exp8(_mm256_sub_ps(v[k], shift)));
+  add_wide(acc.s_lo, acc.s_hi, e);
+}
+
+// kSum: also sum the logits (label smoothing needs their mean).
+template <bool kSum, typename T>
+FUSETRAIN_AVX2 void row_stats_avx2(const T* x, int64_t c, double* lse, double* sum_x) {
+  constexpr int kChunk = 4;  // vectors per online step
+  OnlineLse acc{_mm256_set1_ps(kNegInf), _mm256_setzero_pd(), _mm256_setzero_pd(),
+                _mm256_setzero_pd(), _mm256_setzero_pd()};
+  int64_t j = 0;
+  for (; j + 8 * kChunk <= c; j += 8 * kChunk) {
+    __m256 v[kChunk];
+#pragma GCC unroll 8
+    for (int k = 0; k < kChunk; ++k) v[k] = load8(x + j + 8 * k);
+    online_update<kChunk>(acc, v);
+    if constexpr (kSum) add_wide(acc.sum_lo, acc.sum_hi, chunk_sum<kChunk>(v));
+  }
+  for (; j + 8 <= c; j += 8) {
+    const __m256 v = load8(x + j);
+    online_update<1>(acc, &v);
+    if constexpr (kSum) add_wide(acc.sum_lo, acc.sum_hi, v);
+  }
+  double sum = 0.0;
+  if (j < c) {
+    // The tail, padded with -inf: no weight in the log-sum-exp.
+    alignas(32) float buf[8];
+    for (int k = 0; k < 8; ++k) buf[k] = kNegInf;
+    for (int64_t k = 0; j + k < c; ++k) {
+      buf[k] = static_cast<float>(x[j + k]);
+      sum += buf[k];
+    }
+    const __m256 v = _mm256_load_ps(buf);
+    online_update<1>(acc, &v);
+  }
+  alignas(32) float m[8];
+  alignas(32) double s[8];
+  alignas(32) double sums[8];
+  _mm256_store_ps(m, acc.m);
+  _mm256_store_pd(s, acc.s_lo);
+  _mm256_store_pd(s + 4, acc.s_hi);
+  _mm256_store_pd(sums, acc.sum_lo);
+  _mm256_store_pd(sums + 4, acc.sum_hi);
+  float mx = kNegInf;
+  for (float v : m) mx = std::max(mx, v);
+  double total = 0.0;
+  for (int k = 0; k < 8; ++k) {
+    total += m[k] == mx ? s[k] : s[k] * std::exp(static_cast<double>(m[k]) - mx);
+    sum += sums[k];
+  }
+  *lse = (mx == kNegInf ? 0.0 : mx) + std::log(total);
+  *sum_x = sum;
+}
+
+template <typename T>
+FUSETRAIN_AVX2 void row_grad_avx2(const T* x, int64_t c, float lse, float scale, float smooth,
+                                  T* out) {
+  const __m256 vlse = _mm256_set1_ps(lse);
+  const __m256 vscale = _mm256_set1_ps(scale);
+  const __m256 vsmooth = _mm256_set1_ps(smooth);
+  int64_t j = 0;
+  for (; j + 8 <= c; j += 8) {
+    const __m256 p = exp8(_mm256_sub_ps(load8(x + j), vlse));
+    store8(out + j, _mm256_mul_ps(_mm256_sub_ps(p, vsmooth), vscale));
+  }
+  if (j < c) {
+    alignas(32) float buf[8] = {};
+    for (int64_t k = 0; j + k < c; ++k) buf[k] = static_cast<float>(x[j + k]);
+    const __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(buf), vlse));
+    _mm256_store_ps(buf, _mm256_mul_ps(_mm256_sub_ps(p, vsmooth), vscale));
+    for (int64_t k = 0; j + k < c; ++k) out[j + k] = static_cast<T>(buf[k]);
+  }
+}
+
+#endif  // FUSETRAIN_CE_HAVE_AVX2
+
+// See Note [Cross-entropy CPU vectorization].
+bool use_avx2() {
+#if FUSETRAIN_CE_HAVE_AVX2
+  static const bool enabled = [] {
+    const std::string cap = at::get_cpu_capability();
+    return (cap == "AVX2" || cap == "AVX512") && __builtin_cpu_supports("avx2") &&
+           __builtin_cpu_supports("fma");
+  }();
+  return enabled;
+#else
+  return false;
+#endif
+}
+
+// A target that is neither a class index nor ignore_index would index out of
+// the row: reject it, naming the first such row (a serial pass over N ints).
+void check_targets_cpu(const int64_t* target, int64_t n, int64_t c, int64_t ignore_index,
+                       const char* op) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = target[i];
+    TORCH_CHECK_INDEX(t == ignore_index || (t >= 0 && t < c), op, ": target[", i, "] = ", t,
+                      " is out of range for ", c, " classes (valid: 0 to ", c - 1,
+                      ", or ignore_index = ", ignore_index, ")");
+  }
+}
+
+template <typename T>
+void forward_rows(const T* x, int64_t row_stride, const int64_t* target, int64_t n, int64_t c,
+                  int64_t ignore_index, double label_smoothing, float* loss, float* lse) {
+  [[maybe_unused]] const bool avx2 = use_avx2();
+  const double ls = label_smoothing;
+  const int64_t grain = std::max<int64_t>(1, kCpuGrain / std::max<int64_t>(c, 1));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* row = x + i * row_stride;
+      double row_lse = 0.0;
+      double sum_x = 0.0;
+#if FUSETRAIN_CE_HAVE_AVX2
+      if (avx2 && ls != 0.0) {
+        row_stats_avx2<true>(row, c, &row_lse, &sum_x);
+      } else if (avx2) {
+        row_stats_avx2<false>(row, c, &row_lse, &sum_x);
+      } else {
+        row_stats_scalar(row, c, &row_lse, &sum_x);
+      }
+#else
+      row_stats_scalar(row, c, &row_lse, &sum_x);
+#endif
+      lse[i] = static_cast<float>(row_lse);
+      const int64_t t = target[i];
+      if (t == ignore_index) {
+        loss[i] = 0.f;
+        continue;
+      }
+      // (1 - ls) * nll + ls * mean_j(-log p_j), each term formed as a
+      // difference from lse so that a confident row's loss keeps its digits.
+      const double nll = row_lse - static_cast<double>(row[t]);
+      loss[i] = static_cast<float>(
+          ls == 0.0 ? nll : (1.0 - ls) * nll + ls * (row_lse - sum_x / static_cast<double>(c)));
+    }
+  });
+}
+
+template <typename T>
+void backward_rows(const T* x, int64_t row_stride, const int64_t* target, const float* lse,
+                   const float* grad_loss, bool per_row_grad, float grad_divisor, int64_t n,
+                   int64_t c, int64_t ignore_index, double label_smoothing, T* out) {
+  [[maybe_unused]] const bool avx2 = use_avx2();
+  const float ls = static_cast<float>(label_smoothing);
+  const float smooth = ls / static_cast<float>(c);
+  const int64_t grain = std::max<int64_t>(1, kCpuGrain / std::max<int64_t>(c, 1));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      T* g = out + i * c;
+      const int64_t t = target[i];
+      if (t == ignore_index) {
+        std::memset(static_cast<void*>(g), 0, sizeof(T) * c);
+        continue;
+      }
+      const T* row = x + i * row_stride;
+      const float scale = (per_row_grad ? grad_loss[i] : grad_loss[0]) / grad_divisor;
+#if FUSETRAIN_CE_HAVE_AVX2
+      if (avx2) {
+        row_grad_avx2(row, c, lse[i], scale, smooth, g);
+      } else {
+        row_grad_scalar(row, c, lse[i], scale, smooth, g);
+      }
+      // The target's entry again, with its one-hot term and the same exp.
+      const float p_t = (avx2 ? exp_avx2 : exp_scalar)(static_cast<float>(row[t]) - lse[i]);
+#else
+      row_grad_scalar(row, c, lse[i], scale, smooth, g);
+      const float p_t = exp_scalar(static_cast<float>(row[t]) - lse[i]);
+#endif
+      g[t] = static_cast<T>((p_t - smooth - (1.f - ls)) * scale);
+    }
+  });
+}
+
+int64_t count_kept(const int64_t* target, int64_t n, int64_t ignore_index) {
+  int64_t kept = 0;
+  for (int64_t i = 0; i < n; ++i) kept += target[i] != ignore_index;
+  return kept;
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& logits_in,
+                                               const at::Tensor& target_in, int64_t ignore_index,
+                                               double label_smoothing,
+                                               c10::string_view reduction_view) {
+  const std::string reduction(reduction_view);
+  check_cross_entropy_forward_args(logits_in, target_in, label_smoothing, reduction);
+  const Reduction red = parse_reduction(reduction, kForwardOp);
+  const at::Tensor logits = with_contiguous_rows(logits_in);
+  const at::Tensor target = target_in.contiguous();
+  const int64_t n = logits.size(0);
+  const int64_t c = logits.size(1);
+  const int64_t* t = target.const_data_ptr<int64_t>();
+  check_targets_cpu(t, n, c, ignore_index, kForwardOp);
+
+  const auto f32 = logits.options().dtype(at::kFloat);
+  at::Tensor lse = at::empty({n}, f32);
+  at::Tensor rows = at::empty({n}, f32);
+  if (n > 0) {
+    const int64_t stride = logits.stride(0);
+    switch (logits.scalar_type()) {
+      case at::kFloat:
+        forward_rows(logits.const_data_ptr<float>(), stride, t, n, c, ignore_index, label_smoothing,
+                     rows.data_ptr<float>(), lse.data_ptr<float>());
+        break;
+      case at::kHalf:
+        forward_rows(logits.const_data_ptr<c10::Half>(), stride, t, n, c, ignore_index,
+                     label_smoothing, rows.data_ptr<float>(), lse.data_ptr<float>());
+        break;
+      case at::kBFloat16:
+        forward_rows(logits.const_data_ptr<c10::BFloat16>(), stride, t, n, c, ignore_index,
+                     label_smoothing, rows.data_ptr<float>(), lse.data_ptr<float>());
+        break;
+      default:
+        TORCH_CHECK(false, kForwardOp, ": unsupported dtype ", logits.scalar_type());
+    }
+  }
+  if (red == Reduction::kNone) return {rows, lse};
+
+  // A serial sum in double: deterministic whatever the thread count, and N
+  // is small next to the N x C pass above.
+  const float* r = rows.const_data_ptr<float>();
+  double total = 0.0;
+  for (int64_t i = 0; i < n; ++i) total += r[i];
+  if (red == Reduction::kMean) {
+    // No kept rows: 0 / 0 = NaN, as torch's mean gives.
+    total /= static_cast<double>(count_kept(t, n, ignore_index));
+  }
+  return {at::full({}, total, f32), lse};
+}
+
+at::Tensor backward_cpu(const at::Tensor& grad_loss_in, const at::Tensor& logits_in,
+                        const at::Tensor& target_in, const at::Tensor& lse_in, int64_t ignore_index,
+                        double label_smoothing, c10::string_view reduction_view) {
+  const std::string reduction(reduction_view);
+  check_cross_entropy_backward_args(grad_loss_in, logits_in, target_in, lse_in, label_smoothing,
+                                    reduction);
+  const Reduction red = parse_reduction(reduction, kBackwardOp);
+  const at::Tensor logits = with_contiguous_rows(logits_in);
+  const at::Tensor target = target_in.contiguous();
+  const at::Tensor lse = lse_in.contiguous();
+  const at::Tensor grad_loss = grad_loss_in.contiguous();
+  const int64_t n = logits.size(0);
+  const int64_t c = logits.size(1);
+  const int64_t* t = target.const_data_ptr<int64_t>();
+  check_targets_cpu(t, n, c, ignore_index, kBackwardOp);
+
+  at::Tensor grad = at::empty({n, c}, logits.options());
+  if (n == 0 || c == 0) return grad;
+  // With no kept rows every row is zeroed and the divisor is never used.
+  const float divisor =
+      red == Reduction::kMean ? static_cast<float>(count_kept(t, n, ignore_index)) : 1.f;
+  const bool per_row = red == Reduction::kNone;
+  const int64_t stride = logits.stride(0);
+  const float* g = grad_loss.const_data_ptr<float>();
+  const float* l = lse.const_data_ptr<float>();
+  switch (logits.scalar_type()) {
+    case at::kFloat:
+      backward_rows(logits.const_data_ptr<float>(), stride, t, l, g, per_row, divisor, n, c,
+                    ignore_index, label_smoothing, grad.data_ptr<float>());
+      break;
+    case at::kHalf:
+      backward_rows(logits.const_data_ptr<c10::Half>(), stride, t, l, g, per_row, divisor, n, c,
+                    ignore_index, label_smoothing, grad.data_ptr<c10::Half>());
+      break;
+    case at::kBFloat16:
+      backward_rows(logits.const_data_ptr<c10::BFloat16>(), stride, t, l, g, per_row, divisor, n, c,
+                    ignore_index, label_smoothing, grad.data_ptr<c10::BFloat16>());
+      break;
+    default:
+      TORCH_CHECK(false, kBackwardOp, ": unsupported dtype ", logits.scalar_type());
+  }
+  return grad;
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_meta(const at::Tensor& logits, const at::Tensor& target,
+                                                int64_t ignore_index, double label_smoothing,
+                                                c10::string_view reduction_view) {
+  const std::string reduction(reduction_view);
+  check_cross_entropy_forward_args(logits, target, label_smoothing, reduction);
+  const auto f32 = logits.options().dtype(at::kFloat);
+  const int64_t n = logits.size(0);
+  at::Tensor loss = parse_reduction(reduction, kForwardOp) == Reduction::kNone ? at::empty({n}, f32)
+                                                                               : at::empty({}, f32);
+  return {loss, at::empty({n}, f32)};
+}
+
+at::Tensor backward_meta(const at::Tensor& grad_loss, const at::Tensor& logits,
+                         const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index,
+                         double label_smoothing, c10::string_view reduction_view) {
+  const std::string reduction(reduction_view);
+  check_cross_entropy_backward_args(grad_loss, logits, target, lse, label_smoothing, reduction);
+  return at::empty({logits.size(0), logits.size(1)}, logits.options());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fusetrain, CPU, m) {
+  m.impl("softmax_cross_entropy_forward", &forward_cpu);
+  m.impl("softmax_cross_entropy_backward", &backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(fusetrain, Meta, m) {
+  m.impl("softmax_cross_entropy_forward", &forward_meta);
+  m.impl("softmax_cross_entropy_backward", &backward_meta);
+}
+
+}  // namespace fusetrain::ops

@@ -1,0 +1,97 @@
+// CUDA glue of the fused softmax cross-entropy ops: checks, device guard,
+// stream, outputs. The kernels are in csrc/kernels/cross_entropy_kernels.cu.
+// An out-of-range target is caught by a device-side assert there (the host
+// cannot see targets without a sync), which, as with torch's nll_loss, leaves
+// the CUDA context unusable; the CPU ops raise an IndexError instead.
+#include <fusetrain/kernels/cross_entropy_kernels.h>
+#include <fusetrain/ops/cross_entropy.h>
+#include <fusetrain/ops/cuda/cuda_utils.h>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+namespace fusetrain::ops::cuda {
+
+namespace {
+
+constexpr const char* kForwardOp = "fusetrain::softmax_cross_entropy_forward";
+constexpr const char* kBackwardOp = "fusetrain::softmax_cross_entropy_backward";
+
+kernels::CrossEntropyRows rows_of(const at::Tensor& logits, const at::Tensor& target,
+                                  int64_t ignore_index, double label_smoothing, const char* op) {
+  return {float_type(logits.scalar_type(), op),
+          logits.const_data_ptr(),
+          logits.stride(0),
+          target.const_data_ptr<int64_t>(),
+          logits.size(0),
+          logits.size(1),
+          ignore_index,
+          static_cast<float>(label_smoothing)};
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& logits_in,
+                                                const at::Tensor& target_in, int64_t ignore_index,
+                                                double label_smoothing,
+                                                c10::string_view reduction_view) {
+  const std::string reduction(reduction_view);
+  check_cross_entropy_forward_args(logits_in, target_in, label_smoothing, reduction);
+  const Reduction red = parse_reduction(reduction, kForwardOp);
+  const c10::cuda::CUDAGuard guard(logits_in.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const at::Tensor logits = with_contiguous_rows(logits_in);
+  const at::Tensor target = target_in.contiguous();
+  const int64_t n = logits.size(0);
+
+  const auto f32 = logits.options().dtype(at::kFloat);
+  at::Tensor lse = at::empty({n}, f32);
+  at::Tensor rows = at::empty({n}, f32);
+  C10_CUDA_CHECK(kernels::launch_cross_entropy_forward(
+      rows_of(logits, target, ignore_index, label_smoothing, kForwardOp), rows.data_ptr<float>(),
+      lse.data_ptr<float>(), stream));
+  if (red == Reduction::kNone) return {rows, lse};
+  at::Tensor loss = at::empty({}, f32);
+  C10_CUDA_CHECK(kernels::launch_cross_entropy_reduce(
+      rows.const_data_ptr<float>(), target.const_data_ptr<int64_t>(), n, ignore_index,
+      red == Reduction::kMean, loss.data_ptr<float>(), stream));
+  return {loss, lse};
+}
+
+at::Tensor backward_cuda(const at::Tensor& grad_loss_in, const at::Tensor& logits_in,
+                         const at::Tensor& target_in, const at::Tensor& lse_in,
+                         int64_t ignore_index, double label_smoothing,
+                         c10::string_view reduction_view) {
+  const std::string reduction(reduction_view);
+  check_cross_entropy_backward_args(grad_loss_in, logits_in, target_in, lse_in, label_smoothing,
+                                    reduction);
+  const Reduction red = parse_reduction(reduction, kBackwardOp);
+  const c10::cuda::CUDAGuard guard(logits_in.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const at::Tensor logits = with_contiguous_rows(logits_in);
+  const at::Tensor target = target_in.contiguous();
+  const at::Tensor lse = lse_in.contiguous();
+  // An expanded gradient (loss.sum().backward() on reduction "none") has
+  // stride 0; the kernel indexes it densely.
+  const at::Tensor grad_loss = grad_loss_in.contiguous();
+
+  at::Tensor grad = at::empty({logits.size(0), logits.size(1)}, logits.options());
+  // The kept-row count of "mean" stays on the device: one float of scratch.
+  at::Tensor count =
+      red == Reduction::kMean ? at::empty({1}, logits.options().dtype(at::kFloat)) : at::Tensor();
+  C10_CUDA_CHECK(kernels::launch_cross_entropy_backward(
+      rows_of(logits, target, ignore_index, label_smoothing, kBackwardOp),
+      grad_loss.const_data_ptr<float>(), red == Reduction::kNone, red == Reduction::kMean,
+      count.defined() ? count.data_ptr<float>() : nullptr, lse.const_data_ptr<float>(),
+      grad.data_ptr(), stream));
+  return grad;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fusetrain, CUDA, m) {
+  m.impl("softmax_cross_entropy_forward", &forward_cuda);
+  m.impl("softmax_cross_entropy_backward", &backward_cuda);
+}
+
+}  // namespace fusetrain::ops::cuda

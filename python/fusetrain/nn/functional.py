@@ -1,0 +1,140 @@
+"""Fused losses: ``softmax_cross_entropy``, a drop-in for ``F.cross_entropy``
+with class-index targets.
+
+One pass over the logits forward (online log-sum-exp in fp32) and one
+backward (the softmax recomputed from the logits and the saved per-row
+log-sum-exp), for float32, float16 and bfloat16 logits on CPU and CUDA,
+without an fp32 copy of the [N, C] logits. The loss is float32 whatever the
+logits' dtype; the gradient has the logits' dtype. What it does not support
+(class weights, probability targets, float64) raises NotImplementedError
+rather than computing something else.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+from torch.nn import _reduction
+
+from .. import _C  # noqa: F401  (registers the fusetrain ops)
+
+__all__ = ["softmax_cross_entropy", "cross_entropy"]
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class _SoftmaxCrossEntropy(torch.autograd.Function):
+    """[N, C] logits, int64 [N] targets -> loss; saves the logits, targets
+    and the per-row log-sum-exp for the backward op."""
+
+    @staticmethod
+    def forward(logits, target, ignore_index, label_smoothing, reduction):
+        return torch.ops.fusetrain.softmax_cross_entropy_forward(
+            logits, target, ignore_index, label_smoothing, reduction
+        )
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        logits, target, ignore_index, label_smoothing, reduction = inputs
+        _, lse = output
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(logits, target, lse)
+        ctx.ignore_index = ignore_index
+        ctx.label_smoothing = label_smoothing
+        ctx.reduction = reduction
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, grad_lse):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        logits, target, lse = ctx.saved_tensors
+        grad = torch.ops.fusetrain.softmax_cross_entropy_backward(
+            grad_loss.float(), logits, target, lse, ctx.ignore_index, ctx.label_smoothing, ctx.reduction
+        )
+        return grad, None, None, None, None
+
+
+def softmax_cross_entropy(
+    input: torch.Tensor,
+    target: torch.Tensor,
+    weight: Optional[torch.Tensor] = None,
+    size_average: Optional[bool] = None,
+    ignore_index: int = -100,
+    reduce: Optional[bool] = None,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """``F.cross_entropy(input, target, ...)`` with class-index targets, fused.
+
+    ``input``: logits of shape [N, C], [C] (unbatched, ``target`` 0-d) or
+    [N, C, d1, ...] (``target`` [N, d1, ...]), float32, float16 or bfloat16.
+    ``target``: class indices (any integer dtype), or ``ignore_index``.
+    ``reduction``: "mean" averages over the targets not ignored (NaN when all
+    are, as torch), "sum", or "none" (a loss per target, 0 where ignored).
+    ``label_smoothing`` in [0, 1], torch's formula. ``size_average`` and
+    ``reduce`` are torch's deprecated spellings of ``reduction``.
+
+    Returns a float32 loss (torch returns the input's dtype). Unsupported:
+    ``weight`` and class-probability (floating-point) targets raise
+    NotImplementedError. An out-of-range target raises IndexError on CPU and
+    a device-side assert on CUDA.
+    """
+    if weight is not None:
+        raise NotImplementedError(
+            "softmax_cross_entropy: weight (class weights) is not supported; "
+            "use torch.nn.functional.cross_entropy for weighted losses"
+        )
+    if target.is_floating_point() or target.is_complex():
+        raise NotImplementedError(
+            "softmax_cross_entropy: target must hold class indices; class-probability "
+            f"(floating point) targets are not supported, got target of dtype {target.dtype}"
+        )
+    if target.dtype == torch.bool:
+        raise TypeError("softmax_cross_entropy: target must hold integer class indices, got bool")
+    if input.dtype not in _SUPPORTED_DTYPES:
+        raise NotImplementedError(
+            "softmax_cross_entropy: input must be float32, float16 or bfloat16, "
+            f"got {input.dtype}"
+        )
+    if size_average is not None or reduce is not None:
+        reduction = _reduction.legacy_get_string(size_average, reduce)
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f'softmax_cross_entropy: reduction must be "mean", "sum" or "none", got "{reduction}"')
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"softmax_cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
+
+    target = target.long()
+    if input.dim() == 1:
+        if target.dim() != 0:
+            raise ValueError(
+                "softmax_cross_entropy: unbatched input of shape [C] needs a 0-d target, "
+                f"got target of shape {tuple(target.shape)}"
+            )
+        loss = _apply(input.unsqueeze(0), target.unsqueeze(0), ignore_index, label_smoothing, reduction)
+        return loss.squeeze(0) if reduction == "none" else loss
+    if input.dim() == 2:
+        return _apply(input, target, ignore_index, label_smoothing, reduction)
+    if input.dim() == 0:
+        raise ValueError("softmax_cross_entropy: input must have a class dimension, got a 0-d tensor")
+    # [N, C, d1, ...]: the classes move last so that every (n, d...) is a row.
+    expected = (input.shape[0],) + tuple(input.shape[2:])
+    if tuple(target.shape) != expected:
+        raise ValueError(
+            f"softmax_cross_entropy: for input of shape {tuple(input.shape)} the target must have "
+            f"shape {expected}, got {tuple(target.shape)}"
+        )
+    rows = input.movedim(1, -1).reshape(-1, input.shape[1])
+    loss = _apply(rows, target.reshape(-1), ignore_index, label_smoothing, reduction)
+    return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+def _apply(logits, target, ignore_index, label_smoothing, reduction):
+    loss, _ = _SoftmaxCrossEntropy.apply(logits, target, int(ignore_index), float(label_smoothing), reduction)
+    return loss
+
+
+# F.cross_entropy's name, for ``import fusetrain.nn.functional as F``.
+cross_entropy = softmax_cross_entropy

@@ -1,0 +1,407 @@
+"""fusetrain.nn.functional.softmax_cross_entropy against F.cross_entropy.
+
+Forward and backward for every dtype, reduction, label smoothing and
+ignore_index case, odd class counts and batch sizes. Results are held to torch's own accuracy: the error against a float64
+computation on the same (rounded) logits must be within 2x of the error
+torch's kernels make on them (or within one unit of the output dtype). CUDA results are compared
+with the CPU implementation, outputs poisoned first; those tests skip without
+a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusetrain
+import fusetrain.nn
+from fusetrain.nn import functional as FF
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+REDUCTIONS = ["mean", "sum", "none"]
+SMOOTHING = [0.0, 0.1]
+IGNORE = ["no_ignored", "some_ignored", "all_ignored"]
+# (N, C): a single class, odd small C, C = 1000, and a prime C past 32768
+# (every row starts at a different 16-byte misalignment).
+SHAPES = [(5, 1), (13, 7), (33, 1000), (3, 32771)]
+IGNORE_INDEX = -100
+
+
+def make_case(n, c, dtype, ignore, seed=0, device="cpu", ignore_index=IGNORE_INDEX):
+    g = torch.Generator().manual_seed(seed)
+    # Logits spread like a trained model's (std 3), so that the softmax is
+    # far from uniform and the row maxima matter.
+    x = (torch.randn(n, c, generator=g) * 3.0).to(dtype)
+    t = torch.randint(0, c, (n,), generator=g)
+    if ignore == "some_ignored":
+        t[::3] = ignore_index
+    elif ignore == "all_ignored":
+        t[:] = ignore_index
+    return x.to(device), t.to(device)
+
+
+def upstream(loss, seed=1):
+    """A non-trivial gradient of the loss, random per element for "none",
+    in multiples of 1/8 so that torch's 16-bit loss takes it exactly too."""
+    if loss.dim() == 0:
+        return torch.tensor(1.75, dtype=loss.dtype, device=loss.device)
+    g = torch.randint(-16, 17, loss.shape, generator=torch.Generator().manual_seed(seed)) / 8
+    return g.to(loss.device, loss.dtype)
+
+
+def loss_and_grad(fn, x, t, reduction, **kw):
+    x = x.detach().clone().requires_grad_()
+    loss = fn(x, t, reduction=reduction, **kw)
+    (grad,) = torch.autograd.grad(loss, x, upstream(loss))
+    return loss.detach(), grad
+
+
+def max_err(a, ref):
+    return (a.double() - ref).abs().max().item() if ref.numel() else 0.0
+
+
+def ulp_floor(dtype, ref):
+    """One unit of `dtype`'s precision at the reference's largest magnitude:
+    the error of a correctly rounded result, below which nothing is owed."""
+    return torch.finfo(dtype).eps * (ref.abs().max().item() if ref.numel() else 0.0)
+
+
+def assert_within_2x_torch(ours, theirs, ref, what, extra=0.0):
+    e_ours = max_err(ours, ref)
+    e_torch = max_err(theirs, ref)
+    bound = max(2.0 * e_torch, ulp_floor(ours.dtype, ref)) + extra
+    assert e_ours <= bound, f"{what}: our error {e_ours:.3g} > 2x torch's {e_torch:.3g} (bound {bound:.3g})"
+
+
+def lse_rounding(x, ref_grad):
+    """What storing each row's log-sum-exp in fp32 costs the gradient: p =
+    exp(x - lse) inherits lse's rounding, eps * |lse| relative. It matters for
+    float32 logits only (torch keeps log-probabilities, of smaller magnitude);
+    for 16-bit gradients it is far below one unit of the output."""
+    if x.numel() == 0 or ref_grad.numel() == 0:
+        return 0.0
+    lse = torch.logsumexp(x.double(), 1).abs().max().item()
+    return torch.finfo(torch.float32).eps * lse * ref_grad.abs().max().item()
+
+
+@pytest.mark.parametrize("ignore", IGNORE)
+@pytest.mark.parametrize("label_smoothing", SMOOTHING)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("n,c", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_torch(dtype, n, c, reduction, label_smoothing, ignore):
+    x, t = make_case(n, c, dtype, ignore)
+    kw = dict(label_smoothing=label_smoothing)
+    loss, grad = loss_and_grad(FF.softmax_cross_entropy, x, t, reduction, **kw)
+    assert loss.dtype == torch.float32
+    assert grad.dtype == dtype
+    assert loss.shape == ((n,) if reduction == "none" else ())
+
+    ref_loss, ref_grad = loss_and_grad(F.cross_entropy, x.double(), t, reduction, **kw)
+    if ignore == "all_ignored" and reduction == "mean":
+        # torch: 0 / 0 for the loss, zero gradient.
+        assert torch.isnan(loss) and torch.isnan(ref_loss)
+        assert torch.equal(grad, torch.zeros_like(grad))
+        return
+    if ignore != "no_ignored":
+        ignored = t == IGNORE_INDEX
+        assert torch.equal(grad[ignored], torch.zeros_like(grad[ignored]))
+        if reduction == "none":
+            assert torch.equal(loss[ignored], torch.zeros_like(loss[ignored]))
+
+    # The same rule for float32 (torch's label-smoothing path loses digits
+    # that ours keeps, so matching torch's values would be the wrong test).
+    torch_loss, torch_grad = loss_and_grad(F.cross_entropy, x, t, reduction, **kw)
+    assert_within_2x_torch(loss, torch_loss, ref_loss, "loss")
+    assert_within_2x_torch(grad, torch_grad, ref_grad, "gradient", extra=lse_rounding(x, ref_grad))
+
+
+def test_lse_is_the_row_logsumexp():
+    x, t = make_case(17, 1000, torch.float32, "some_ignored")
+    loss, lse = torch.ops.fusetrain.softmax_cross_entropy_forward(x, t, IGNORE_INDEX, 0.0, "none")
+    torch.testing.assert_close(lse, torch.logsumexp(x.double(), 1).float(), rtol=1e-6, atol=1e-6)
+
+
+def test_expanded_gradient_of_none():
+    # loss.sum().backward() hands the backward a stride-0 [N] gradient.
+    x, t = make_case(9, 33, torch.bfloat16, "some_ignored")
+    a = x.clone().requires_grad_()
+    FF.softmax_cross_entropy(a, t, reduction="none").sum().backward()
+    b = x.clone().requires_grad_()
+    FF.softmax_cross_entropy(b, t, reduction="sum").backward()
+    assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "row_slice"])
+def test_non_contiguous_logits(layout):
+    base, t = make_case(24, 50, torch.float32, "some_ignored")
+    if layout == "transposed":
+        x = base.t().contiguous().t()
+    else:
+        # Every row contiguous, rows 60 apart: read in place.
+        wide = torch.randn(24, 60)
+        wide[:, 5:55] = base
+        x = wide[:, 5:55]
+    assert not x.is_contiguous()
+    for reduction in REDUCTIONS:
+        loss, grad = loss_and_grad(FF.softmax_cross_entropy, x, t, reduction, label_smoothing=0.1)
+        ref_loss, ref_grad = loss_and_grad(F.cross_entropy, base, t, reduction, label_smoothing=0.1)
+        torch.testing.assert_close(loss, ref_loss)
+        torch.testing.assert_close(grad, ref_grad)
+
+
+def test_masked_logits():
+    # -inf logits (a masked vocabulary) have probability exactly 0.
+    x, t = make_case(6, 40, torch.float32, "no_ignored")
+    x[:, 20:] = float("-inf")
+    t = t % 20
+    loss, grad = loss_and_grad(FF.softmax_cross_entropy, x, t, "none")
+    ref_loss, ref_grad = loss_and_grad(F.cross_entropy, x, t, "none")
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(grad, ref_grad)
+    assert torch.equal(grad[:, 20:], torch.zeros_like(grad[:, 20:]))
+
+
+def test_nan_logit_gives_nan_loss():
+    x, t = make_case(4, 100, torch.bfloat16, "no_ignored")
+    x[2, 37] = float("nan")
+    loss = FF.softmax_cross_entropy(x, t, reduction="none")
+    assert torch.isnan(loss[2]) and torch.isfinite(loss[[0, 1, 3]]).all()
+
+
+def test_spatial_and_unbatched_inputs():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 3, 4, generator=g)
+    t = torch.randint(0, 5, (2, 3, 4), generator=g)
+    t[0, 1, 2] = IGNORE_INDEX
+    for reduction in REDUCTIONS:
+        loss, grad = loss_and_grad(FF.softmax_cross_entropy, x, t, reduction, label_smoothing=0.1)
+        ref_loss, ref_grad = loss_and_grad(F.cross_entropy, x, t, reduction, label_smoothing=0.1)
+        torch.testing.assert_close(loss, ref_loss)
+        torch.testing.assert_close(grad, ref_grad)
+    x1, t1 = x[0, :, 0, 0], t[0, 0, 0]
+    for reduction in REDUCTIONS:
+        torch.testing.assert_close(
+            FF.softmax_cross_entropy(x1, t1, reduction=reduction), F.cross_entropy(x1, t1, reduction=reduction)
+        )
+
+
+def test_custom_ignore_index_and_uint8_targets():
+    x, t = make_case(10, 12, torch.float32, "no_ignored")
+    t[4] = 3
+    for reduction in REDUCTIONS:
+        torch.testing.assert_close(
+            FF.softmax_cross_entropy(x, t, ignore_index=3, reduction=reduction),
+            F.cross_entropy(x, t, ignore_index=3, reduction=reduction),
+        )
+    torch.testing.assert_close(FF.softmax_cross_entropy(x, t.to(torch.uint8)), F.cross_entropy(x, t))
+
+
+def test_legacy_reduction_arguments():
+    x, t = make_case(8, 9, torch.float32, "no_ignored")
+    with pytest.warns(UserWarning):
+        ours = FF.softmax_cross_entropy(x, t, size_average=False)
+    with pytest.warns(UserWarning):
+        ref = F.cross_entropy(x, t, size_average=False)
+    torch.testing.assert_close(ours, ref)
+
+
+def test_module_matches_torch_module():
+    x, t = make_case(11, 7, torch.float32, "some_ignored")
+    ours = fusetrain.nn.CrossEntropyLoss(ignore_index=IGNORE_INDEX, label_smoothing=0.05, reduction="sum")
+    ref = torch.nn.CrossEntropyLoss(ignore_index=IGNORE_INDEX, label_smoothing=0.05, reduction="sum")
+    assert isinstance(ours, torch.nn.CrossEntropyLoss)
+    assert ours.state_dict().keys() == ref.state_dict().keys()
+    torch.testing.assert_close(ours(x, t), ref(x, t))
+    assert fusetrain.nn.functional.cross_entropy is FF.softmax_cross_entropy
+
+
+def test_unsupported_arguments_raise():
+    x, t = make_case(4, 5, torch.float32, "no_ignored")
+    with pytest.raises(NotImplementedError, match="weight"):
+        FF.softmax_cross_entropy(x, t, weight=torch.ones(5))
+    with pytest.raises(NotImplementedError, match="weight"):
+        fusetrain.nn.CrossEntropyLoss(weight=torch.ones(5))
+    with pytest.raises(NotImplementedError, match="probability"):
+        FF.softmax_cross_entropy(x, torch.softmax(x, 1))
+    with pytest.raises(NotImplementedError, match="float64"):
+        FF.softmax_cross_entropy(x.double(), t)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        FF.softmax_cross_entropy(x, t, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="reduction"):
+        FF.softmax_cross_entropy(x, t, reduction="average")
+
+
+@pytest.mark.parametrize("bad", [5, -1, -101])
+def test_out_of_range_target_names_the_row(bad):
+    x, t = make_case(6, 5, torch.float32, "no_ignored")
+    t[4] = bad
+    with pytest.raises(IndexError, match=rf"target\[4\] = {bad}"):
+        FF.softmax_cross_entropy(x, t)
+    lse = torch.zeros(6)
+    with pytest.raises(IndexError, match=r"target\[4\]"):
+        torch.ops.fusetrain.softmax_cross_entropy_backward(torch.tensor(1.0), x, t, lse, IGNORE_INDEX, 0.0, "mean")
+
+
+def test_op_argument_checks_name_the_argument():
+    x, t = make_case(4, 5, torch.float32, "no_ignored")
+    fwd = torch.ops.fusetrain.softmax_cross_entropy_forward
+    with pytest.raises(RuntimeError, match="logits must be 2-D"):
+        fwd(x[0], t, IGNORE_INDEX, 0.0, "mean")
+    with pytest.raises(RuntimeError, match="target must be int64"):
+        fwd(x, t.int(), IGNORE_INDEX, 0.0, "mean")
+    with pytest.raises(RuntimeError, match="one class index per row"):
+        fwd(x, t[:3], IGNORE_INDEX, 0.0, "mean")
+    loss, lse = fwd(x, t, IGNORE_INDEX, 0.0, "none")
+    with pytest.raises(RuntimeError, match="grad_loss must have shape"):
+        torch.ops.fusetrain.softmax_cross_entropy_backward(torch.ones(3), x, t, lse, IGNORE_INDEX, 0.0, "none")
+
+
+def test_meta_shapes():
+    x = torch.empty(7, 11, device="meta", dtype=torch.bfloat16)
+    t = torch.empty(7, device="meta", dtype=torch.long)
+    for reduction, shape in (("mean", ()), ("sum", ()), ("none", (7,))):
+        loss, lse = torch.ops.fusetrain.softmax_cross_entropy_forward(x, t, IGNORE_INDEX, 0.1, reduction)
+        assert loss.shape == shape and loss.dtype == torch.float32
+        assert lse.shape == (7,) and lse.dtype == torch.float32
+        g = torch.ops.fusetrain.softmax_cross_entropy_backward(
+            torch.empty(shape, device="meta"), x, t, lse, IGNORE_INDEX, 0.1, reduction
+        )
+        assert g.shape == (7, 11) and g.dtype == torch.bfloat16 and g.device.type == "meta"
+
+
+def test_torch_compile_traces_the_ops():
+    x, t = make_case(16, 37, torch.bfloat16, "some_ignored")
+
+    def step(logits, target):
+        return FF.softmax_cross_entropy(logits, target, label_smoothing=0.1)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    a = x.clone().requires_grad_()
+    compiled(a, t).backward()
+    b = x.clone().requires_grad_()
+    step(b, t).backward()
+    assert torch.equal(a.grad, b.grad)
+
+
+def test_scalar_cpu_path_matches_vector_path(tmp_path):
+    """ATEN_CPU_CAPABILITY=default selects the portable scalar loops (see
+    Note [Cross-entropy CPU vectorization]); both must agree."""
+    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        pytest.skip("this CPU runs the scalar path in every test already")
+    script = textwrap.dedent(
+        """
+        import sys, torch, fusetrain
+        from fusetrain.nn import functional as FF
+        sys.path.insert(0, sys.argv[2])
+        from test_cross_entropy import make_case, loss_and_grad
+        out = {}
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            for n, c in ((5, 1), (13, 7), (7, 1003)):
+                for ls in (0.0, 0.1):
+                    x, t = make_case(n, c, dtype, "some_ignored")
+                    out[(str(dtype), n, c, ls)] = loss_and_grad(FF.softmax_cross_entropy, x, t, "none", label_smoothing=ls)
+        torch.save(out, sys.argv[1])
+        """
+    )
+    path = tmp_path / "scalar.pt"
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    here = os.path.dirname(os.path.abspath(__file__))
+    subprocess.run([sys.executable, "-c", script, str(path), here], check=True, env=env, timeout=300)
+    scalar = torch.load(path)
+    for (dtype_name, n, c, ls), (s_loss, s_grad) in scalar.items():
+        dtype = getattr(torch, dtype_name.split(".")[1])
+        x, t = make_case(n, c, dtype, "some_ignored")
+        v_loss, v_grad = loss_and_grad(FF.softmax_cross_entropy, x, t, "none", label_smoothing=ls)
+        torch.testing.assert_close(s_loss, v_loss, rtol=1e-5, atol=1e-6)
+        # The exp implementations and summation orders differ by a few fp32
+        # ulps, which may move a 16-bit rounding by one unit.
+        eps = max(torch.finfo(dtype).eps, 1e-5)
+        torch.testing.assert_close(s_grad.float(), v_grad.float(), rtol=2 * eps, atol=eps * v_grad.abs().max().item())
+
+
+# ----------------------------------------------------------------- CUDA
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA tests need a GPU (run make gpu-check)")
+
+
+def poison_cuda_cache(nbytes):
+    """Fills the caching allocator's free blocks with NaN so that outputs the
+    ops allocate start as garbage: a kernel that skips an element fails."""
+    torch.cuda.synchronize()
+    junk = torch.full((nbytes // 4 + 1024,), float("nan"), device="cuda")
+    del junk
+
+
+CUDA_SHAPES = [(5, 1), (13, 7), (257, 1000), (64, 1025), (9, 4097), (6, 32771), (2, 65536)]
+
+
+@requires_cuda
+@pytest.mark.parametrize("ignore", IGNORE)
+@pytest.mark.parametrize("label_smoothing", SMOOTHING)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("n,c", CUDA_SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cuda_matches_cpu(dtype, n, c, reduction, label_smoothing, ignore):
+    x, t = make_case(n, c, dtype, ignore, seed=5)
+    kw = dict(label_smoothing=label_smoothing)
+    cpu_loss, cpu_grad = loss_and_grad(FF.softmax_cross_entropy, x, t, reduction, **kw)
+    poison_cuda_cache(2 * x.numel() * x.element_size())
+    xc, tc = x.cuda(), t.cuda()
+    loss, grad = loss_and_grad(FF.softmax_cross_entropy, xc, tc, reduction, **kw)
+    assert loss.dtype == torch.float32 and grad.dtype == dtype
+    torch.testing.assert_close(loss.cpu(), cpu_loss, rtol=1e-5, atol=1e-5, equal_nan=True)
+    # Both round p = exp(x - lse) through an fp32 lse that may differ by an
+    # ulp between the two summation orders, and the exps by a few ulps.
+    eps = torch.finfo(dtype).eps
+    lse = torch.logsumexp(x.float(), 1).abs().max().item() if x.numel() else 0.0
+    atol = (eps + 4 * torch.finfo(torch.float32).eps * (1 + lse)) * cpu_grad.abs().max().item()
+    torch.testing.assert_close(grad.cpu().float(), cpu_grad.float(), rtol=2 * eps, atol=atol)
+    ref_loss, ref_grad = loss_and_grad(F.cross_entropy, xc.double(), tc, reduction, **kw)
+    if dtype != torch.float32 and not (ignore == "all_ignored"):
+        torch_loss, torch_grad = loss_and_grad(F.cross_entropy, xc, tc, reduction, **kw)
+        assert_within_2x_torch(grad, torch_grad, ref_grad, "CUDA gradient", extra=lse_rounding(x, ref_grad))
+        assert_within_2x_torch(loss, torch_loss, ref_loss, "CUDA loss")
+
+
+@requires_cuda
+def test_cuda_misaligned_and_strided_rows():
+    base, t = make_case(33, 1001, torch.bfloat16, "some_ignored", seed=7)
+    wide = torch.randn(33, 1013).to(torch.bfloat16)
+    wide[:, 3:1004] = base
+    for x in (base, wide[:, 3:1004], base.t().contiguous().t()):
+        cpu = loss_and_grad(FF.softmax_cross_entropy, x, t, "none", label_smoothing=0.1)
+        poison_cuda_cache(4 * x.numel())
+        gpu = loss_and_grad(FF.softmax_cross_entropy, x.cuda(), t.cuda(), "none", label_smoothing=0.1)
+        torch.testing.assert_close(gpu[0].cpu(), cpu[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gpu[1].cpu().float(), cpu[1].float(), rtol=0.016, atol=1e-3 * cpu[1].abs().max().item())
+
+
+@requires_cuda
+def test_cuda_keeps_no_fp32_copy_of_the_logits():
+    n, c = 2048, 32768
+    x = (torch.randn(n, c, device="cuda") * 3).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, c, (n,), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    FF.softmax_cross_entropy(x, t).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    # The gradient (bf16, like the logits) plus O(N) scratch; an fp32 [N, C]
+    # buffer alone would be twice the logits.
+    assert extra < x.numel() * x.element_size() * 1.1, extra
+
+
+@requires_cuda
+def test_cuda_all_ignored_mean_is_nan_without_sync():
+    x, t = make_case(8, 100, torch.float16, "all_ignored")
+    loss, grad = loss_and_grad(FF.softmax_cross_entropy, x.cuda(), t.cuda(), "mean")
+    assert torch.isnan(loss).item()
+    assert torch.equal(grad.cpu(), torch.zeros_like(grad.cpu()))
