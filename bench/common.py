@@ -1,0 +1,310 @@
+"""Timing and reporting helpers shared by the benchmark modules.
+
+Every comparison is made side by side in one process on the same data:
+variants are interleaved call by call (ours, torch, ours, torch, ...) so that
+frequency changes, a neighbour's load or a warming cache hit each variant
+alike; each variant is warmed up first and reported as the median of its
+repeats, with the ratio of the fastest calls alongside (it resists a busy
+machine). Untimed per-call setup (resetting state so every timed call does the
+same work, or flushing the cache) runs outside the clock. On CUDA each call is
+timed with events on the current stream, so host-side synchronisation is not
+counted.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+
+# ----------------------------------------------------------------- context
+
+
+@dataclass
+class Context:
+    """What the harness hands every benchmark module's ``run``."""
+
+    device: torch.device
+    quick: bool
+    threads: int
+    warmup: int
+    repeats: int
+    _flush_buf: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def flush_cache(self) -> None:
+        """Evicts the last-level cache (and the GPU's L2) by reading a buffer
+        several times its size; a read, so that nothing dirty is left to be
+        written back during the next timed call. That call then starts cold,
+        as a pass over the gradients of a model larger than the cache does."""
+        if self._flush_buf is None:
+            nbytes = (512 if self.is_cuda else 128) << 20
+            self._flush_buf = torch.ones(nbytes // 4, device=self.device)
+        self._flush_buf.sum()
+
+
+def copy_variant(ctx: Context, numel: int, dtype: torch.dtype):
+    """``(fn, nbytes)``: ``dst.copy_(src)`` over ``numel`` elements of ``dtype``
+    on the context's device and the bytes it reads plus writes: the practical
+    ceiling of a memory-bound kernel moving as many bytes. Time it in the same
+    ``interleave`` call as the kernels it bounds, so that it sees the same
+    conditions (cache state, a busy neighbour, the GPU's clocks)."""
+    src = torch.randn(numel, device=ctx.device).to(dtype)
+    dst = torch.empty_like(src)
+    return (lambda: dst.copy_(src)), 2 * numel * src.element_size()
+
+
+def inplace_variant(ctx: Context, numel: int, dtype: torch.dtype):
+    """``(fn, nbytes)``: torch's in-place ``x.mul_(s)`` over one contiguous
+    buffer of ``numel`` elements, ``s`` alternating 0.5 and 2.0 (exact, no
+    drift). On a CPU this read-modify-write is the ceiling for in-place
+    kernels: a copy to a cold destination also pays the destination's
+    read-for-ownership and is slower than the in-place pass it should bound."""
+    buf = torch.randn(numel, device=ctx.device).to(dtype)
+    state = {"k": 0}
+
+    def fn():
+        state["k"] ^= 1
+        buf.mul_(0.5 if state["k"] else 2.0)
+
+    return fn, 2 * numel * buf.element_size()
+
+
+# ------------------------------------------------------------------ timing
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(
+    fn: Callable[[], object],
+    ctx: Context,
+    *,
+    setup: Optional[Callable[[], object]] = None,
+    warmup: Optional[int] = None,
+    repeats: Optional[int] = None,
+) -> List[float]:
+    """Seconds per call of ``fn`` (one entry per repeat, warm-up dropped);
+    ``setup`` runs untimed before each call."""
+    return interleave({"fn": fn}, ctx, setup=setup, warmup=warmup, repeats=repeats)["fn"]
+
+
+def interleave(
+    fns: Dict[str, Callable[[], object]],
+    ctx: Context,
+    *,
+    setup=None,
+    warmup: Optional[int] = None,
+    repeats: Optional[int] = None,
+    cold: bool = False,
+) -> Dict[str, List[float]]:
+    """Times several variants of the same work call by call in turn; returns
+    seconds per call for each. ``setup`` (untimed) runs before every call: one
+    callable for all variants, or a dict with one per variant name; it resets
+    state so that every timed call does the same work. ``cold``: the cache is
+    flushed (untimed) before every call, so no variant profits from the data
+    the one before it left in cache."""
+    warmup = ctx.warmup if warmup is None else warmup
+    repeats = ctx.repeats if repeats is None else repeats
+    names = list(fns)
+    if setup is None or callable(setup):
+        setup = {name: setup for name in names}
+    if cold:
+        setup = {name: _then_flush(setup[name], ctx) for name in names}
+    for _ in range(warmup):
+        for name in names:
+            if setup[name] is not None:
+                setup[name]()
+            fns[name]()
+    synchronize(ctx.device)
+
+    times: Dict[str, List[float]] = {name: [] for name in names}
+    if ctx.is_cuda:
+        events = {name: [] for name in names}
+        for _ in range(repeats):
+            for name in names:
+                if setup[name] is not None:
+                    setup[name]()
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                fns[name]()
+                end.record()
+                events[name].append((start, end))
+        torch.cuda.synchronize(ctx.device)
+        for name in names:
+            times[name] = [s.elapsed_time(e) / 1e3 for s, e in events[name]]
+    else:
+        clock = time.perf_counter
+        for _ in range(repeats):
+            for name in names:
+                if setup[name] is not None:
+                    setup[name]()
+                t0 = clock()
+                fns[name]()
+                times[name].append(clock() - t0)
+    return times
+
+
+def _then_flush(fn, ctx: Context):
+    def run():
+        if fn is not None:
+            fn()
+        ctx.flush_cache()
+
+    return run
+
+
+def median(xs: List[float]) -> float:
+    return statistics.median(xs)
+
+
+def spread(xs: List[float]) -> float:
+    """Interquartile range over the median: how noisy a measurement was."""
+    if len(xs) < 4:
+        return 0.0
+    q = statistics.quantiles(xs, n=4)
+    return (q[2] - q[0]) / statistics.median(xs)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+# ----------------------------------------------------------------- results
+
+
+def result(
+    benchmark: str,
+    *,
+    ours: float,
+    torch_: Optional[float],
+    unit: str,
+    higher_is_better: bool,
+    goal: Optional[float] = None,
+    notes: str = "",
+    times: Optional[Dict[str, List[float]]] = None,
+    **extra,
+) -> dict:
+    """One table row. ``ratio`` is always "how many times better ours is":
+    ours/torch for rates, torch/ours for times, from the medians. With
+    ``times`` (seconds per call of "ours" and "torch") the row also carries
+    ``best_ratio``, the same ratio from each side's fastest call, which
+    resists a busy machine far better than the median; the notes lead with it."""
+    ratio = None
+    if torch_ is not None and ours > 0 and torch_ > 0:
+        ratio = ours / torch_ if higher_is_better else torch_ / ours
+    best_ratio = None
+    if times is not None and times.get("torch") and times.get("ours"):
+        best_ratio = min(times["torch"]) / min(times["ours"])
+        notes = f"best-of {best_ratio:.2f}x; {notes}" if notes else f"best-of {best_ratio:.2f}x"
+    row = {
+        "benchmark": benchmark,
+        "ours": ours,
+        "torch": torch_,
+        "unit": unit,
+        "ratio": ratio,
+        "higher_is_better": higher_is_better,
+        "goal": goal,
+        "meets_goal": None if (goal is None or ratio is None) else ratio >= goal,
+        "best_ratio": best_ratio,
+        "notes": notes,
+    }
+    row.update(extra)
+    return row
+
+
+# ----------------------------------------------------------------- machine
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: torch.device, threads: int) -> dict:
+    info = {
+        "hostname": socket.gethostname(),
+        "cpu_model": _cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": threads,
+        "interop_threads": torch.get_num_interop_threads(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "device": str(device),
+        "gpu": None,
+        "loadavg_start": _loadavg(),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info["gpu"] = props.name
+        info["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
+        info["gpu_sms"] = props.multi_processor_count
+    try:
+        import fusetrain
+
+        info["fusetrain"] = getattr(fusetrain, "__version__", None)
+    except ImportError:
+        info["fusetrain"] = None
+    info["git"] = _git_describe()
+    return info
+
+
+def _git_describe() -> Optional[str]:
+    """The checkout's commit, with "-dirty" when the tree has changes."""
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _loadavg() -> Optional[float]:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def loadavg() -> Optional[float]:
+    return _loadavg()
+
+
+def machine_slug(info: dict) -> str:
+    """A file-name-safe machine name: the GPU for CUDA runs, else the CPU
+    model and core count (host names of throwaway machines say nothing)."""
+    if info.get("gpu"):
+        name = info["gpu"]
+    else:
+        name = re.sub(r"\b(\d+-Core Processor|Processor|CPU|\(R\)|\(TM\))", "", info["cpu_model"])
+        name = f"{name}-{info['cpu_cores']}c"
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return slug or "machine"
