@@ -72,10 +72,10 @@ struct AdamOp {
                                                : nullptr;
     // The step count is incremented by a later launch; this one sees step - 1.
     const double step = static_cast<double>(*static_cast<const float*>(meta.ptrs[6][t])) + 1.0;
-    const float step_size = static_cast<float>(s.lr / (1.0 - pow(static_cast<double>(s.beta1), step)));
-    const float bc2_sqrt = static_cast<float>(sqrt(1.0 - pow(static_cast<double>(s.beta2), step)));
+    const float step_size = static_cast<float>(s.lr / (1.0 - pow(s.beta1, step)));
+    const float bc2_sqrt = static_cast<float>(sqrt(1.0 - pow(s.beta2, step)));
     const float inv_scale = s.grad_scale != nullptr ? 1.f / *s.grad_scale : 1.f;
-    const float decay = 1.f - s.lr * s.weight_decay;
+    const float beta1 = static_cast<float>(s.beta1), beta2 = static_cast<float>(s.beta2);
 
     const bool vec = quad_aligned(p) && quad_aligned(g) && quad_aligned(m) && quad_aligned(v) &&
                      (vmax == nullptr || quad_aligned(vmax)) &&
@@ -100,13 +100,13 @@ struct AdamOp {
         float param = rp[k];
         if (s.weight_decay != 0.f) {
           if (s.decoupled_weight_decay) {
-            param *= decay;
+            param *= s.decay;
           } else {
             grad += s.weight_decay * param;
           }
         }
-        rm[k] = s.beta1 * rm[k] + (1.f - s.beta1) * grad;
-        rv[k] = s.beta2 * rv[k] + (1.f - s.beta2) * grad * grad;
+        rm[k] = beta1 * rm[k] + s.one_minus_beta1 * grad;
+        rv[k] = beta2 * rv[k] + s.one_minus_beta2 * grad * grad;
         float second = rv[k];
         if (vmax != nullptr) {
           rx[k] = fmaxf(rx[k], rv[k]);
@@ -182,7 +182,7 @@ struct SgdOp {
         if (s.maximize) grad = -grad;
         if (s.weight_decay != 0.f) grad += s.weight_decay * rp[k];
         if (buf != nullptr) {
-          rb[k] = s.is_first_step ? grad : s.momentum * rb[k] + (1.f - s.dampening) * grad;
+          rb[k] = s.is_first_step ? grad : s.momentum * rb[k] + s.one_minus_dampening * grad;
           grad = s.nesterov ? grad + s.momentum * rb[k] : rb[k];
         }
         rp[k] = rp[k] - s.lr * grad;

@@ -26,7 +26,13 @@ struct AdamTensors {
 };
 
 struct AdamScalars {
-  float lr, beta1, beta2, weight_decay, eps;
+  // lr and the betas in double: the bias corrections 1 - beta^step lose their
+  // precision when beta is rounded to float first (1 - 0.999f is 1.3e-5 off).
+  double lr, beta1, beta2;
+  float weight_decay, eps;
+  // Formed in double by the caller and rounded once, as torch does:
+  // 1 - beta1, 1 - beta2 and the decoupled decay factor 1 - lr * weight_decay.
+  float one_minus_beta1, one_minus_beta2, decay;
   bool amsgrad, maximize, decoupled_weight_decay;
   const float* grad_scale;  // device pointer or null
   const float* found_inf;   // device pointer or null
@@ -47,7 +53,8 @@ struct SgdTensors {
 };
 
 struct SgdScalars {
-  float lr, momentum, dampening, weight_decay;
+  float lr, momentum, weight_decay;
+  float one_minus_dampening;  // formed in double by the caller, rounded once
   bool nesterov, maximize, is_first_step;
   const float* grad_scale;
   const float* found_inf;

@@ -34,6 +34,14 @@ std::optional<at::Tensor> on_device(const std::optional<at::Tensor>& t, const at
   return t->to(d, /*non_blocking=*/true);
 }
 
+/// p.grad() laid out like p: the kernels walk both in memory order, so a
+/// gradient assigned by hand in another layout is copied into p's.
+at::Tensor grad_of(const at::Tensor& p) {
+  const at::Tensor& g = p.grad();
+  if (g.strides() == p.strides()) return g;
+  return at::empty_like(p, at::MemoryFormat::Preserve).copy_(g);
+}
+
 at::Tensor run_closure(torch::optim::Optimizer::LossClosure& closure) {
   if (!closure) return {};
   at::AutoGradMode enable_grad(true);
@@ -125,7 +133,7 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
           slot = std::move(s);
         }
         auto& s = static_cast<FusedAdamWParamState&>(*slot);
-        grads.push_back(p.grad());
+        grads.push_back(grad_of(p));
         exp_avgs.push_back(s.exp_avg());
         exp_avg_sqs.push_back(s.exp_avg_sq());
         if (o.amsgrad()) max_sqs.push_back(s.max_exp_avg_sq());
@@ -242,7 +250,7 @@ at::Tensor FusedSGD::step(LossClosure closure) {
         std::vector<at::Tensor> grads, bufs, masters;
         for (const auto& p : subset) {
           auto& s = static_cast<FusedSGDParamState&>(*state_[p.unsafeGetTensorImpl()]);
-          grads.push_back(p.grad());
+          grads.push_back(grad_of(p));
           if (o.momentum() != 0) bufs.push_back(s.momentum_buffer());
           if (master) masters.push_back(s.master_param());
         }

@@ -31,6 +31,17 @@ from . import _C  # noqa: F401  (registers the ops)
 __all__ = ["FusedAdamW", "FusedAdam", "FusedSGD"]
 
 
+def _grad_of(p: torch.Tensor) -> torch.Tensor:
+    """p.grad laid out like p. The kernels walk a parameter and its gradient
+    in memory order, so they need the same strides; autograd gives the
+    parameter's layout, but a gradient assigned by hand may have another one
+    (torch's optimizers accept it): that one is copied into p's layout."""
+    g = p.grad
+    if g.stride() != p.stride():
+        g = torch.empty_like(p, memory_format=torch.preserve_format).copy_(g)
+    return g
+
+
 def _per_device(tensor: Optional[torch.Tensor], cache: dict, device: torch.device):
     if tensor is None:
         return None
@@ -147,7 +158,15 @@ class _FusedOptimizer(torch.optim.Optimizer):
         to the 16-bit parameter dtype), and step counts become float32 tensors
         on the parameter's device, as the fused kernels read them."""
         source = state_dict["state"]
+        # A torch optimizer's groups carry no master_weights: keep this
+        # optimizer's setting rather than let __setstate__ default it to False.
+        masters = [
+            saved.get("master_weights", group["master_weights"])
+            for group, saved in zip(self.param_groups, state_dict["param_groups"])
+        ]
         super().load_state_dict(state_dict)
+        for group, master in zip(self.param_groups, masters):
+            group["master_weights"] = master
         index = 0
         for group in self.param_groups:
             for p in group["params"]:
@@ -223,6 +242,11 @@ class FusedAdamW(_FusedOptimizer):
             fused=fused,
         )
         super().__init__(params, defaults, master_weights, max_grad_norm)
+        if self._decoupled:
+            # As torch's AdamW groups say (torch's Adam reads the key on load).
+            for group in self.param_groups:
+                group["decoupled_weight_decay"] = True
+            self.defaults["decoupled_weight_decay"] = True
 
     def _fused_step(self, group, params, master, grad_scale, found_inf):
         grads, exp_avgs, exp_avg_sqs, max_sqs, masters, steps = [], [], [], [], [], []
@@ -239,7 +263,7 @@ class FusedAdamW(_FusedOptimizer):
                     )
             if group["amsgrad"] and "max_exp_avg_sq" not in state:
                 state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg_sq"])
-            grads.append(p.grad)
+            grads.append(_grad_of(p))
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             if group["amsgrad"]:
@@ -275,6 +299,8 @@ class FusedAdamW(_FusedOptimizer):
 class FusedAdam(FusedAdamW):
     """Adam (``torch.optim.Adam``'s arguments and defaults: ``weight_decay=0``
     as L2 regularisation, or AdamW with ``decoupled_weight_decay=True``), fused."""
+
+    _decoupled = False  # per group, from decoupled_weight_decay
 
     def __init__(
         self,
@@ -376,9 +402,9 @@ class FusedSGD(_FusedOptimizer):
         # dampening != 0 the next step then differs from torch's.)
         fresh, running = [], []
         for p in params:
-            state = self.state[p]
-            if momentum != 0 and state.get("momentum_buffer") is None:
-                state["momentum_buffer"] = torch.zeros_like(
+            # (No state entry without momentum or masters, as torch's SGD.)
+            if momentum != 0 and self.state[p].get("momentum_buffer") is None:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(
                     p, dtype=torch.float32 if master else None, memory_format=torch.preserve_format
                 )
                 fresh.append(p)
@@ -389,7 +415,7 @@ class FusedSGD(_FusedOptimizer):
                 continue
             torch.ops.fusetrain.fused_sgd_(
                 subset,
-                [p.grad for p in subset],
+                [_grad_of(p) for p in subset],
                 [self.state[p]["momentum_buffer"] for p in subset] if momentum != 0 else [],
                 [self._master_of(p, self.state[p]) for p in subset] if master else [],
                 lr=float(group["lr"]),

@@ -26,7 +26,7 @@ def clip_grad_norm_(
     CPU) and is returned as float32 whatever the gradients' dtype; the clip
     coefficient is computed and applied on the device, with no host sync
     unless ``error_if_nonfinite`` asks for the check. Other norm types use
-    torch's foreach norms.
+    torch's foreach norms, computed in fp32 for 16-bit gradients.
     """
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
@@ -46,7 +46,16 @@ def clip_grad_norm_(
         ]
         total_norm = torch.stack(squares).sum().sqrt()
     else:
-        norms = [n.float().to(first) for gs in by_device.values() for n in torch._foreach_norm(gs, norm_type)]
+        # 16-bit gradients' norms in fp32 (torch's, in fp16, overflow: the
+        # 1-norm of 100k unit fp16 values is inf); the others in their dtype.
+        norms = []
+        for gs in by_device.values():
+            low = [g for g in gs if g.dtype in (torch.float16, torch.bfloat16)]
+            rest = [g for g in gs if g.dtype not in (torch.float16, torch.bfloat16)]
+            if rest:
+                norms += [n.float().to(first) for n in torch._foreach_norm(rest, norm_type)]
+            if low:
+                norms += [n.to(first) for n in torch._foreach_norm(low, norm_type, dtype=torch.float32)]
         total_norm = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     if error_if_nonfinite and torch.logical_or(total_norm.isnan(), total_norm.isinf()):
         raise RuntimeError(

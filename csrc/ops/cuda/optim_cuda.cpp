@@ -10,6 +10,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <map>
 #include <vector>
 
@@ -55,16 +56,21 @@ void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorLis
   const kernels::AdamTensors tensors{p.data(),      g.data(),    m.data(),     v.data(),
                                      vmax.data(),   master.data(), steps.data(), numel.data(),
                                      static_cast<int>(n)};
-  const kernels::AdamScalars scalars{static_cast<float>(lr),
-                                     static_cast<float>(beta1),
-                                     static_cast<float>(beta2),
-                                     static_cast<float>(weight_decay),
-                                     static_cast<float>(eps),
-                                     amsgrad,
-                                     maximize,
-                                     decoupled_weight_decay,
-                                     optional_ptr(grad_scale),
-                                     optional_ptr(found_inf)};
+  kernels::AdamScalars scalars{};
+  scalars.lr = lr;
+  scalars.beta1 = beta1;
+  scalars.beta2 = beta2;
+  scalars.weight_decay = static_cast<float>(weight_decay);
+  scalars.eps = static_cast<float>(eps);
+  // In double, rounded once (as the CPU reference and torch do).
+  scalars.one_minus_beta1 = static_cast<float>(1.0 - beta1);
+  scalars.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  scalars.decay = static_cast<float>(1.0 - lr * weight_decay);
+  scalars.amsgrad = amsgrad;
+  scalars.maximize = maximize;
+  scalars.decoupled_weight_decay = decoupled_weight_decay;
+  scalars.grad_scale = optional_ptr(grad_scale);
+  scalars.found_inf = optional_ptr(found_inf);
   C10_CUDA_CHECK(kernels::launch_fused_adam(float_type(params[0].scalar_type(), kOp),
                                             !master_params.empty(), tensors, scalars,
                                             multi_tensor_blocks(),
@@ -87,15 +93,16 @@ void fused_sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   for (size_t i = 0; i < n; ++i) numel[i] = params[i].numel();
   const kernels::SgdTensors tensors{p.data(), g.data(), b.data(), master.data(), numel.data(),
                                     static_cast<int>(n)};
-  const kernels::SgdScalars scalars{static_cast<float>(lr),
-                                    static_cast<float>(momentum),
-                                    static_cast<float>(dampening),
-                                    static_cast<float>(weight_decay),
-                                    nesterov,
-                                    maximize,
-                                    is_first_step,
-                                    optional_ptr(grad_scale),
-                                    optional_ptr(found_inf)};
+  kernels::SgdScalars scalars{};
+  scalars.lr = static_cast<float>(lr);
+  scalars.momentum = static_cast<float>(momentum);
+  scalars.weight_decay = static_cast<float>(weight_decay);
+  scalars.one_minus_dampening = static_cast<float>(1.0 - dampening);
+  scalars.nesterov = nesterov;
+  scalars.maximize = maximize;
+  scalars.is_first_step = is_first_step;
+  scalars.grad_scale = optional_ptr(grad_scale);
+  scalars.found_inf = optional_ptr(found_inf);
   C10_CUDA_CHECK(kernels::launch_fused_sgd(float_type(params[0].scalar_type(), kOp),
                                            !master_params.empty(), tensors, scalars,
                                            multi_tensor_blocks(),
@@ -138,15 +145,25 @@ std::tuple<at::Tensor, at::Tensor> l2norm_cuda(at::TensorList tensors, bool per_
     by_dtype[tensors[i].scalar_type()].push_back(static_cast<int64_t>(i));
   }
   const auto f32 = at::TensorOptions().dtype(at::kFloat).device(tensors[0].device());
-  at::Tensor per_sq = at::empty({static_cast<int64_t>(tensors.size())}, f32);
+  at::Tensor per_sq;
   for (const auto& [dtype, idx] : by_dtype) {
     std::vector<at::Tensor> group;
     for (int64_t i : idx) {
       const at::Tensor& t = tensors[i];
       group.push_back(t.is_non_overlapping_and_dense() ? t : t.contiguous());
     }
-    const at::Tensor where = at::tensor(idx, at::TensorOptions().dtype(at::kLong)).to(f32.device());
-    per_sq.index_copy_(0, where, group_sum_squares(group));
+    at::Tensor sq = group_sum_squares(group);
+    if (by_dtype.size() == 1) {  // one dtype (the usual case): already in order
+      per_sq = sq;
+      break;
+    }
+    if (!per_sq.defined()) per_sq = at::empty({static_cast<int64_t>(tensors.size())}, f32);
+    // The positions travel through pinned memory, asynchronously: a copy from
+    // pageable memory would synchronise the host with the stream.
+    at::Tensor where_cpu = at::empty({static_cast<int64_t>(idx.size())},
+                                     at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    std::copy(idx.begin(), idx.end(), where_cpu.data_ptr<int64_t>());
+    per_sq.index_copy_(0, where_cpu.to(f32.device(), /*non_blocking=*/true), sq);
   }
   at::Tensor total = per_sq.sum().sqrt();
   return {total, per_tensor ? per_sq.sqrt() : at::empty({0}, f32)};
