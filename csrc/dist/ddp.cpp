@@ -264,8 +264,16 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     at::Tensor view = view_of(i);
     if (grad.defined()) {
       at::NoGradGuard no_grad;
-      if (!grad.is_alias_of(view)) view.copy_(grad);
-      if (pre_divide() != 1.0) view.mul_(1.0 / pre_divide());
+      const double pre = pre_divide();
+      if (grad.is_alias_of(view)) {
+        if (pre != 1.0) view.mul_(1.0 / pre);
+      } else if (pre != 1.0 && view.scalar_type() == grad.scalar_type()) {
+        // Divides while copying: one pass over the gradient, as torch's reducer.
+        at::mul_out(view, grad, 1.0 / pre);
+      } else {
+        view.copy_(grad);  // casts to comm_dtype
+        if (pre != 1.0) view.mul_(1.0 / pre);
+      }
     } else {
       view.zero_();
     }
@@ -347,8 +355,6 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
       used.push_back(local_used.to(collective_device(group, params)));
       used_work = group->allreduce(used);
     }
-    for (auto& b : buckets) wait_or_throw(b.work, "a gradient allreduce");
-    exposed_seconds = std::chrono::duration<double>(Clock::now() - last_ready).count();
     at::Tensor globally_used;
     if (used_work) {
       wait_or_throw(used_work, "the unused-parameter allreduce");
@@ -356,18 +362,26 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     }
     at::NoGradGuard no_grad;
     const double post = post_divide();
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (globally_used.defined() && globally_used.const_data_ptr<int32_t>()[i] == 0) continue;
-      at::Tensor view = view_of(i);
-      if (post != 1.0) view.mul_(1.0 / post);
-      at::Tensor param = params[i];
-      const bool same_dtype = view.scalar_type() == param.scalar_type();
-      if (options.gradient_as_bucket_view() && same_dtype) {
-        if (!param.grad().defined() || !param.grad().is_alias_of(view)) param.mutable_grad() = view;
-      } else if (param.grad().defined()) {
-        param.mutable_grad().copy_(view);
-      } else {
-        param.mutable_grad() = view.to(param.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+    // Bucket by bucket, as torch's reducer: a bucket's gradients are written
+    // back while the later buckets' allreduces are still running.
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      wait_or_throw(buckets[b].work, "a gradient allreduce");
+      if (b + 1 == buckets.size()) {
+        exposed_seconds = std::chrono::duration<double>(Clock::now() - last_ready).count();
+      }
+      for (const size_t i : buckets[b].params) {
+        if (globally_used.defined() && globally_used.const_data_ptr<int32_t>()[i] == 0) continue;
+        at::Tensor view = view_of(i);
+        if (post != 1.0) view.mul_(1.0 / post);
+        at::Tensor param = params[i];
+        const bool same_dtype = view.scalar_type() == param.scalar_type();
+        if (options.gradient_as_bucket_view() && same_dtype) {
+          if (!param.grad().defined() || !param.grad().is_alias_of(view)) param.mutable_grad() = view;
+        } else if (param.grad().defined()) {
+          param.mutable_grad().copy_(view);
+        } else {
+          param.mutable_grad() = view.to(param.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+        }
       }
     }
   }

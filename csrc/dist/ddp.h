@@ -40,7 +40,8 @@ struct DDPOptions {
   TORCH_ARG(double, bucket_cap_mb) = 25.0;
   /// Size of the first bucket (the last gradients of backward), in MiB.
   TORCH_ARG(double, first_bucket_cap_mb) = 1.0;
-  /// Re-broadcast buffers (e.g. batch-norm statistics) from rank 0 in every forward.
+  /// Broadcast buffers (e.g. batch-norm statistics) from rank 0 at
+  /// construction and in every forward; off, each rank keeps its own.
   TORCH_ARG(bool, broadcast_buffers) = true;
   /// Tolerate parameters that get no gradient in an iteration (their gradient
   /// is reduced as zeros). Without it such a parameter is an error naming it.
@@ -131,7 +132,10 @@ class DistributedDataParallel {
     }
     verify_param_shapes(group_, params, names);
     std::vector<at::Tensor> state = params;
-    for (const auto& b : module_->buffers()) state.push_back(b);
+    // Buffers only with broadcast_buffers, as torch's DDP.
+    if (options_.broadcast_buffers()) {
+      for (const auto& b : module_->buffers()) state.push_back(b);
+    }
     broadcast_from_rank0(group_, state);
     reducer_ = std::make_unique<Reducer>(params, names, group_, options_);
   }

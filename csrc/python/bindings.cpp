@@ -161,15 +161,20 @@ PYBIND11_MODULE(_C, m) {
            py::arg("first_bucket_cap_mb"), py::arg("find_unused_parameters"),
            py::arg("gradient_as_bucket_view"), py::arg("comm_dtype"),
            py::arg("gradient_predivide_factor"))
-      .def("prepare_for_backward", &dist::Reducer::prepare_for_backward)
+      // Collectives release the GIL (as torch's own bindings do): a gloo
+      // worker thread that frees a finished work holding Python-owned tensors
+      // takes the GIL while holding the group's queue lock, which enqueueing
+      // a collective needs, so holding the GIL here can deadlock.
+      .def("prepare_for_backward", &dist::Reducer::prepare_for_backward,
+           py::call_guard<py::gil_scoped_release>())
       .def("set_require_sync", &dist::Reducer::set_require_sync)
       .def("require_sync", &dist::Reducer::require_sync)
       .def("bucket_indices", &dist::Reducer::bucket_indices)
       .def("last_exposed_comm_seconds", &dist::Reducer::last_exposed_comm_seconds);
   m.def("verify_param_shapes", &dist::verify_param_shapes, py::arg("process_group"),
-        py::arg("params"), py::arg("names"));
+        py::arg("params"), py::arg("names"), py::call_guard<py::gil_scoped_release>());
   m.def("broadcast_from_rank0", &dist::broadcast_from_rank0, py::arg("process_group"),
-        py::arg("tensors"));
+        py::arg("tensors"), py::call_guard<py::gil_scoped_release>());
   m.def("compute_bucket_assignment", &dist::compute_bucket_assignment, py::arg("params"),
         py::arg("first_cap_bytes"), py::arg("cap_bytes"));
 }

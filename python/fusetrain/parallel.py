@@ -105,7 +105,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._params = params
         with torch.no_grad():
             _C.verify_param_shapes(self.process_group, params, names)
-            state = params + [b for b in module.buffers()]
+            # Buffers only with broadcast_buffers, as torch's DDP: without it
+            # each rank keeps its own (e.g. per-rank statistics).
+            state = params + (list(module.buffers()) if broadcast_buffers else [])
             _C.broadcast_from_rank0(self.process_group, state)
         self.reducer = _C.Reducer(
             params,
