@@ -1,16 +1,73 @@
-// The fusetrain command line. `fusetrain info` reports the build and the
-// machine; training subcommands arrive with the trainer.
+// The fusetrain command line: `train` (a whole run, one process or many),
+// `eval` (a checkpoint on the test split) and `info` (build and machine).
+//
+// Exit codes: 0 success; 1 a failure while running (a rank crashed, I/O);
+// 2 a usage, configuration or bad-input error found before any work
+// (unknown key, bad value, missing dataset, corrupt checkpoint, too many
+// processes); 130 stopped by Ctrl-C or SIGTERM after saving a checkpoint.
 #include <fusetrain/fusetrain.h>
+
+#include "checkpoint.h"
+#include "config.h"
+#include "launch.h"
+#include "train.h"
 
 #include <ATen/Parallel.h>
 #include <torch/cuda.h>
 #include <torch/version.h>
 
+// --set values hold commas ("model.channels=16,32"): never split them.
+#define CXXOPTS_VECTOR_DELIMITER '\0'
 #include <cxxopts.hpp>
 
+#include <cstdlib>
 #include <iostream>
+#include <sys/stat.h>
+
+#ifndef FUSETRAIN_CONFIG_DIR
+#define FUSETRAIN_CONFIG_DIR "configs"
+#endif
 
 namespace {
+
+namespace ft = fusetrain::trainer;
+
+constexpr int kUsageError = 2;
+
+// Dedicated flags and the config keys they set.
+const std::vector<std::pair<std::string, std::string>> kFlagKeys = {
+    {"device", "runtime.device"},
+    {"nproc", "runtime.nproc"},
+    {"epochs", "train.epochs"},
+    {"steps-per-execution", "train.steps_per_execution"},
+    {"precision", "precision.policy"},
+    {"threads", "runtime.threads"},
+    {"seed", "train.seed"},
+    {"run-dir", "output.run_dir"},
+};
+
+bool exists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+/// A path as given, or the name of a shipped config ("tiny", "tiny.yaml").
+std::string resolve_config_path(const std::string& name) {
+  if (exists(name) || name.find('/') != std::string::npos) return name;
+  for (const std::string& dir : {std::string("configs"), std::string(FUSETRAIN_CONFIG_DIR)}) {
+    for (const std::string& ext : {std::string(""), std::string(".yaml")}) {
+      if (exists(dir + "/" + name + ext)) return dir + "/" + name + ext;
+    }
+  }
+  return name;
+}
+
+std::string rank_prefix() {
+  const char* rank = std::getenv("RANK");
+  const char* world = std::getenv("WORLD_SIZE");
+  if (rank == nullptr || world == nullptr || std::string(world) == "1") return "";
+  return std::string("[rank ") + rank + "] ";
+}
 
 int run_info() {
   std::cout << "fusetrain " << fusetrain::version() << "\n"
@@ -21,37 +78,190 @@ int run_info() {
             << "CUDA devices: " << static_cast<int>(torch::cuda::device_count()) << "\n"
             << "NCCL: " << (torch::cuda::is_available() ? "yes" : "no (needs CUDA)") << "\n"
             << "gloo: yes\n"
+            << "CPU cores available: " << ft::available_cores() << "\n"
             << "intra-op threads: " << at::get_num_threads() << "\n";
   return 0;
 }
 
-void print_usage(const cxxopts::Options& options) {
-  std::cout << options.help() << "\nCommands:\n  info    versions, devices, threads\n";
+void print_usage() {
+  std::cout << "fusetrain: fast mixed-precision, data-parallel training on LibTorch\n\n"
+               "Usage: fusetrain COMMAND [OPTIONS]\n\n"
+               "Commands:\n"
+               "  train   train a model: fusetrain train --config configs/fashion_mnist.yaml\n"
+               "  eval    evaluate a checkpoint: fusetrain eval --checkpoint PATH\n"
+               "  info    versions, devices, threads\n\n"
+               "fusetrain COMMAND --help shows the command's options.\n"
+               "Exit codes: 0 done, 1 failed while running, 2 usage/config/input error, "
+               "130 interrupted (checkpoint saved).\n";
+}
+
+int run_train(int argc, char** argv) {
+  cxxopts::Options options("fusetrain train", "Train a model from a YAML run configuration.");
+  options.add_options()
+      ("c,config", "run configuration: a YAML file, or the name of one in configs/",
+       cxxopts::value<std::string>()->default_value("fashion_mnist"))
+      ("set", "override a configuration key, e.g. --set optimizer.lr=3e-4 (repeatable)",
+       cxxopts::value<std::vector<std::string>>())
+      ("device", "runtime.device: cpu or cuda", cxxopts::value<std::string>())
+      ("nproc", "runtime.nproc: local data-parallel processes to spawn", cxxopts::value<std::string>())
+      ("epochs", "train.epochs", cxxopts::value<std::string>())
+      ("steps-per-execution", "train.steps_per_execution: steps between host synchronisations",
+       cxxopts::value<std::string>())
+      ("precision", "precision.policy: float32, mixed_float16 or mixed_bfloat16",
+       cxxopts::value<std::string>())
+      ("threads", "runtime.threads: intra-op threads per process (0: cores / processes)",
+       cxxopts::value<std::string>())
+      ("seed", "train.seed", cxxopts::value<std::string>())
+      ("run-dir", "output.run_dir: where the run's files go", cxxopts::value<std::string>())
+      ("resume", "continue from a checkpoint: PATH, or auto (the newest checkpoint of the newest "
+                 "run of this config, or a fresh start when there is none)",
+       cxxopts::value<std::string>())
+      ("print-config", "print the resolved configuration and exit")
+      ("list-keys", "list every configuration key with its default and accepted values")
+      ("config-name", "name of the run's configuration (set by the launcher for its ranks)",
+       cxxopts::value<std::string>())
+      ("h,help", "show this help");
+  const auto args = options.parse(argc, argv);
+  if (args.count("help")) {
+    std::cout << options.help()
+              << "\nEvery configuration key can be set with --set; --list-keys lists them.\n";
+    return 0;
+  }
+  if (!args.unmatched().empty()) {
+    throw ft::UsageError("unexpected argument \"" + args.unmatched().front() + "\"");
+  }
+  if (args.count("list-keys")) {
+    std::cout << "Configuration keys (section.key = default  meaning; accepted values):\n"
+              << ft::describe_schema();
+    return 0;
+  }
+
+  const std::string resume = args.count("resume") ? args["resume"].as<std::string>() : "";
+  ft::Config config;
+  if (!resume.empty() && resume != "auto" && !args.count("config")) {
+    // Resuming a checkpoint without a config file: the run's own config.
+    if (!exists(resume)) throw ft::UsageError("--resume " + resume + ": no such checkpoint file");
+    config = ft::config_from_checkpoint(resume);
+  } else {
+    config = ft::Config::from_file(resolve_config_path(args["config"].as<std::string>()));
+  }
+  if (args.count("config-name")) config.set_name(args["config-name"].as<std::string>());
+  for (const auto& [flag, key] : kFlagKeys) {
+    if (args.count(flag)) config.set(key, args[flag].as<std::string>(), "--" + flag);
+  }
+  if (args.count("set")) {
+    for (const auto& s : args["set"].as<std::vector<std::string>>()) config.apply_override(s);
+  }
+  if (args.count("print-config")) {
+    std::cout << config.to_yaml();
+    return 0;
+  }
+
+  std::optional<fusetrain::dist::Environment> env;
+  try {
+    env = fusetrain::dist::Environment::from_env();
+  } catch (const c10::Error& e) {
+    throw ft::UsageError(e.what_without_backtrace());
+  }
+  const int timeout_s = static_cast<int>(config.get_int("runtime.timeout_s"));
+  const c10::DeviceType device_type = config.get_string("runtime.device") == "cuda"
+                                          ? c10::DeviceType::CUDA
+                                          : c10::DeviceType::CPU;
+  if (env.has_value()) {
+    // Launched as one rank of a group (by our launcher, torchrun or a
+    // scheduler): join it.
+    const char* local = std::getenv("LOCAL_WORLD_SIZE");
+    const int local_world = local ? std::max(1, std::atoi(local)) : env->world_size;
+    at::set_num_threads(ft::threads_for(config, local_world));
+    ft::check_before_start(config, env->world_size, local_world);
+    const ft::RunPlan plan = ft::plan_run(config, resume);
+    const ft::Distributed world(*env, device_type, std::chrono::seconds(timeout_s));
+    return ft::run_training(config, plan, world);
+  }
+  const int nproc = static_cast<int>(config.get_int("runtime.nproc"));
+  ft::check_before_start(config, nproc, nproc);
+  const ft::RunPlan plan = ft::plan_run(config, resume);
+  if (nproc == 1) {
+    at::set_num_threads(ft::threads_for(config, 1));
+    return ft::run_training(config, plan, ft::Distributed());
+  }
+  ft::prepare_run_dir(config, plan);
+  std::vector<std::string> child = {"train", "--config", plan.run_dir + "/config.yaml",
+                                    "--config-name", config.name()};
+  if (!plan.checkpoint.empty()) {
+    child.push_back("--resume");
+    child.push_back(plan.checkpoint);
+  }
+  return ft::spawn_local_ranks(child, nproc);
+}
+
+int run_eval_command(int argc, char** argv) {
+  cxxopts::Options options("fusetrain eval", "Evaluate a checkpoint on its test split.");
+  options.add_options()
+      ("checkpoint", "checkpoint written by fusetrain train", cxxopts::value<std::string>())
+      ("set", "override a configuration key of the checkpoint's config (repeatable)",
+       cxxopts::value<std::vector<std::string>>())
+      ("device", "runtime.device: cpu or cuda", cxxopts::value<std::string>())
+      ("precision", "precision.policy to evaluate in", cxxopts::value<std::string>())
+      ("predictions", "also write the logits and targets to this file (torch.load reads it)",
+       cxxopts::value<std::string>())
+      ("h,help", "show this help");
+  const auto args = options.parse(argc, argv);
+  if (args.count("help")) {
+    std::cout << options.help();
+    return 0;
+  }
+  if (!args.unmatched().empty()) {
+    throw ft::UsageError("unexpected argument \"" + args.unmatched().front() + "\"");
+  }
+  if (!args.count("checkpoint")) throw ft::UsageError("eval needs --checkpoint PATH");
+  std::vector<std::string> overrides;
+  if (args.count("device")) overrides.push_back("runtime.device=" + args["device"].as<std::string>());
+  if (args.count("precision")) {
+    overrides.push_back("precision.policy=" + args["precision"].as<std::string>());
+  }
+  if (args.count("set")) {
+    for (const auto& s : args["set"].as<std::vector<std::string>>()) overrides.push_back(s);
+  }
+  at::set_num_threads(ft::available_cores());
+  return ft::run_eval(args["checkpoint"].as<std::string>(), overrides,
+                      args.count("predictions") ? args["predictions"].as<std::string>() : "");
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  cxxopts::Options options("fusetrain", "fast mixed-precision, data-parallel training on LibTorch");
-  options.add_options()("h,help", "show this help")(
-      "command", "the command to run", cxxopts::value<std::string>());
-  options.parse_positional({"command"});
-  options.positional_help("COMMAND");
+  if (argc < 2) {
+    print_usage();
+    return kUsageError;
+  }
+  const std::string command = argv[1];
   try {
-    const auto args = options.parse(argc, argv);
-    if (args.count("help") || !args.count("command")) {
-      print_usage(options);
-      return args.count("help") ? 0 : 2;
+    if (command == "-h" || command == "--help" || command == "help") {
+      print_usage();
+      return 0;
     }
-    const std::string command = args["command"].as<std::string>();
     if (command == "info") return run_info();
+    if (command == "train") return run_train(argc - 1, argv + 1);
+    if (command == "eval") return run_eval_command(argc - 1, argv + 1);
     std::cerr << "fusetrain: unknown command \"" << command << "\"; run fusetrain --help\n";
-    return 2;
+    return kUsageError;
   } catch (const cxxopts::exceptions::exception& e) {
-    std::cerr << "fusetrain: " << e.what() << "\n";
-    return 2;
+    std::cerr << "fusetrain " << command << ": " << e.what() << " (see fusetrain " << command
+              << " --help)\n";
+    return kUsageError;
+  } catch (const ft::UsageError& e) {
+    std::cerr << rank_prefix() << "fusetrain " << command << ": error: " << e.what() << "\n";
+    return kUsageError;
+  } catch (const ft::CheckpointError& e) {
+    std::cerr << rank_prefix() << "fusetrain " << command << ": error: " << e.what() << "\n";
+    return kUsageError;
+  } catch (const c10::Error& e) {
+    std::cerr << rank_prefix() << "fusetrain " << command << ": " << e.what_without_backtrace()
+              << "\n";
+    return 1;
   } catch (const std::exception& e) {
-    std::cerr << "fusetrain: " << e.what() << "\n";
+    std::cerr << rank_prefix() << "fusetrain " << command << ": " << e.what() << "\n";
     return 1;
   }
 }

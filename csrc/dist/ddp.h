@@ -21,6 +21,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/arg.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/nn/module.h>
 #include <torch/ordered_dict.h>
 
@@ -28,10 +29,6 @@
 #include <optional>
 #include <string>
 #include <vector>
-
-namespace c10d {
-class ProcessGroup;
-}  // namespace c10d
 
 namespace fusetrain::dist {
 

@@ -1,0 +1,424 @@
+"""End-to-end tests of the `fusetrain train` / `fusetrain eval` CLI (issue 5):
+the built binary run through subprocess on configs/tiny.yaml (a 4/8-channel
+CNN on 1024 Fashion-MNIST images, seconds per run). One and two processes,
+resumption equal to an uninterrupted run bit for bit, checkpoints that load
+in Python and give the trainer's predictions, every bad-input case with its
+message and exit code, and config override parsing.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = ROOT / "build" / "fusetrain"
+TINY = ROOT / "configs" / "tiny.yaml"
+FASHION = Path("/usr/share/datasets/fashion-mnist")
+
+pytestmark = [
+    pytest.mark.skipif(not BIN.exists(), reason=f"{BIN} is missing: build it first "
+                       "(cmake --build build --target fusetrain_cli, or make build)"),
+    pytest.mark.skipif(not (FASHION / "train-images-idx3-ubyte.gz").exists(),
+                       reason="Fashion-MNIST is missing: apt-get install dataset-fashion-mnist"),
+]
+
+# Exit codes of the CLI.
+USAGE = 2
+INTERRUPTED = 130
+
+
+def run(*args, cwd=None, env=None, timeout=180) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        full_env.pop(k, None)
+    full_env.update(env or {})
+    return subprocess.run([str(BIN), *map(str, args)], capture_output=True, text=True, cwd=cwd,
+                          env=full_env, timeout=timeout)
+
+
+def train(run_dir, *args, **kw) -> subprocess.CompletedProcess:
+    p = run("train", "--config", TINY, "--run-dir", run_dir, *args, **kw)
+    return p
+
+
+def ok(p: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout}\nstderr:\n{p.stderr}"
+    return p
+
+
+def checkpoints(run_dir) -> list:
+    return sorted((Path(run_dir) / "checkpoints").glob("step_*.pt"))
+
+
+def load(path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def records(run_dir, kind) -> list:
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def assert_same_state(a: dict, b: dict, prefixes=("model.", "optim.", "scaler.")) -> None:
+    keys = [k for k in a if k.startswith(prefixes)]
+    assert keys and sorted(keys) == sorted(k for k in b if k.startswith(prefixes))
+    for k in keys:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k], b[k]), f"{k} differs: max |diff| {(a[k].double() - b[k].double()).abs().max()}"
+
+
+# ------------------------------------------------------------------ runs
+
+
+def test_single_process_run(tmp_path):
+    p = ok(train(tmp_path / "run"))
+    run_dir = tmp_path / "run"
+    assert "epoch 2/2" in p.stdout and "accuracy" in p.stdout and "samples/s" in p.stdout
+    assert "1 intra-op thread each" in p.stdout
+    train_recs, evals = records(run_dir, "train"), records(run_dir, "eval")
+    assert [r["epoch"] for r in evals] == [1, 2]
+    for r in train_recs + evals:
+        for field in ("step", "loss", "lr", "scale", "skipped", "samples_per_s", "accuracy"):
+            assert field in r, field
+    assert train_recs[-1]["step"] == 32 and all(r["samples_per_s"] > 0 for r in train_recs)
+    assert evals[-1]["accuracy"] > 0.55, evals  # 10 classes: chance is 0.1
+    assert train_recs[-1]["loss"] < train_recs[0]["loss"]
+    # Checkpoints every 8 steps and at the end, readable by torch.load.
+    assert [c.name for c in checkpoints(run_dir)] == [f"step_{s:08d}.pt" for s in (8, 16, 24, 32)]
+    ckpt = load(checkpoints(run_dir)[-1])
+    assert int(ckpt["trainer.step"]) == 32 and int(ckpt["trainer.epoch"]) == 2
+    assert all(isinstance(v, torch.Tensor) for v in ckpt.values())
+    for key in ("model.features.0.weight", "model.features.1.running_mean", "model.head.weight",
+                "optim.head.weight.exp_avg", "optim.head.weight.step", "rng.cpu_state", "config.yaml"):
+        assert key in ckpt, key
+    import yaml
+
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert resolved["model"]["channels"] == [8, 16] and resolved["output"]["run_dir"] == str(run_dir)
+
+
+def test_two_processes_equal_one_process(tmp_path):
+    # An MLP (no batch norm, whose statistics are per rank by design): data
+    # parallelism over 2 ranks must give the single-process result.
+    args = ("--set", "model.name=mlp", "--set", "model.hidden=32", "--epochs", "1")
+    one = ok(train(tmp_path / "one", *args))
+    two = ok(train(tmp_path / "two", "--nproc", "2", *args))
+    assert "2 ranks on cpu (gloo)" in two.stdout
+    # Only rank 0 prints.
+    assert two.stdout.count("epoch 1/1") == 1 and one.stdout.count("epoch 1/1") == 1
+    a, b = load(checkpoints(tmp_path / "one")[-1]), load(checkpoints(tmp_path / "two")[-1])
+    for k in a:
+        if k.startswith("model."):
+            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert abs(records(tmp_path / "one", "eval")[-1]["accuracy"] - records(tmp_path / "two", "eval")[-1]["accuracy"]) < 0.01
+
+
+def test_two_process_cnn_with_mixed_precision(tmp_path):
+    p = ok(train(tmp_path / "run", "--nproc", "2", "--precision", "mixed_bfloat16",
+                 "--set", "train.grad_accum=2", "--set", "train.clip_grad_norm=1.0"))
+    assert "mixed_bfloat16" in p.stdout and "2 micro-batches" in p.stdout
+    assert records(tmp_path / "run", "eval")[-1]["accuracy"] > 0.5
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        ("--precision", "float32"),
+        # Dropout (random streams), fp16 loss scaling, accumulation with
+        # no_sync, clipping and master weights, on two ranks.
+        ("--nproc", "2", "--precision", "mixed_float16", "--set", "model.name=mlp", "--set", "model.dropout=0.2",
+         "--set", "train.grad_accum=2", "--set", "train.clip_grad_norm=0.5", "--set", "precision.master_weights=true"),
+    ],
+    ids=["cnn-float32", "mlp-fp16-2proc"],
+)
+def test_resume_equals_uninterrupted(tmp_path, variant):
+    ok(train(tmp_path / "full", *variant))
+    full = checkpoints(tmp_path / "full")
+    middle = full[1]  # step 16 of 32
+    assert middle.name == "step_00000016.pt"
+    ok(train(tmp_path / "resumed", *variant, "--resume", middle))
+    assert_same_state(load(full[-1]), load(checkpoints(tmp_path / "resumed")[-1]))
+    # The resumed run's metrics continue where the checkpoint left off.
+    steps = [r["step"] for r in records(tmp_path / "resumed", "train")]
+    assert steps[0] == 20 and steps[-1] == 32
+
+
+def test_resume_auto_into_the_same_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    ok(train(run_dir, "--set", "train.max_steps=16"))
+    # Same dir, longer schedule would change the LR; resume the finished run.
+    p = ok(train(run_dir, "--set", "train.max_steps=16", "--resume", "auto"))
+    assert "nothing to train" in p.stdout
+    p = ok(train(tmp_path / "fresh", "--set", "train.max_steps=4", "--resume", "auto"))
+    assert "resumed" not in p.stdout
+
+
+def test_steps_per_execution_gives_identical_results(tmp_path):
+    ok(train(tmp_path / "k1", "--epochs", "1"))
+    p = ok(train(tmp_path / "k4", "--epochs", "1", "--steps-per-execution", "4"))
+    assert_same_state(load(checkpoints(tmp_path / "k1")[-1]), load(checkpoints(tmp_path / "k4")[-1]))
+
+
+def _fashion_test_images(n: int) -> torch.Tensor:
+    raw = gzip.open(FASHION / "t10k-images-idx3-ubyte.gz").read()
+    return torch.from_numpy(np.frombuffer(raw, np.uint8, offset=16).copy()).view(-1, 28, 28)[:n]
+
+
+def test_checkpoint_loads_in_python_with_the_same_predictions(tmp_path):
+    from fusetrain.load_checkpoint import load_model, preprocess
+
+    ok(train(tmp_path / "run"))
+    ckpt = checkpoints(tmp_path / "run")[-1]
+    preds = tmp_path / "preds.pt"
+    p = ok(run("eval", "--checkpoint", ckpt, "--predictions", preds))
+    acc = records(tmp_path / "run", "eval")[-1]["accuracy"]
+    assert f"accuracy {100 * acc:.2f}%" in p.stdout
+    trainer_logits = load(preds)["logits"]
+    model = load_model(str(ckpt))
+    with torch.no_grad():
+        logits = model(preprocess(_fashion_test_images(256), model))
+    torch.testing.assert_close(logits, trainer_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(logits.argmax(1), trainer_logits.argmax(1))
+    cli = subprocess.run([sys.executable, "-m", "fusetrain.load_checkpoint", str(ckpt)],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0 and "Cnn with" in cli.stdout, cli.stdout + cli.stderr
+
+
+def test_plot_writes_a_png(tmp_path):
+    ok(train(tmp_path / "run", "--epochs", "1"))
+    p = subprocess.run([sys.executable, "-m", "fusetrain.plot", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "run" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--set", "model.name=resnet", "--set", "model.depth=18", "--set", "model.width=4",
+         "--set", "data.name=synthetic_images", "--set", "data.image_size=8", "--set", "data.train_samples=128",
+         "--set", "data.test_samples=64"),
+        ("--set", "model.name=resnet", "--set", "model.depth=50", "--set", "model.width=2",
+         "--set", "data.name=synthetic_images", "--set", "data.image_size=8", "--set", "data.train_samples=128",
+         "--set", "data.test_samples=64", "--precision", "mixed_bfloat16"),
+        ("--config", ROOT / "configs" / "gpt_tiny.yaml", "--set", "model.d_model=32", "--set", "model.n_layer=1",
+         "--set", "model.seq_len=32", "--set", "train.max_steps=6"),
+        ("--config", ROOT / "configs" / "gpt_tiny.yaml", "--set", "data.name=synthetic_tokens",
+         "--set", "model.d_model=32", "--set", "model.seq_len=16", "--set", "data.train_samples=256",
+         "--set", "data.test_samples=64", "--set", "train.max_steps=6", "--set", "optimizer.name=sgd"),
+    ],
+    ids=["resnet18", "resnet50-bf16", "gpt-text", "gpt-synthetic-sgd"],
+)
+def test_other_models_train(tmp_path, args):
+    p = ok(run("train", "--config", TINY, *args, "--run-dir", tmp_path / "run", "--epochs", "1"))
+    evals = records(tmp_path / "run", "eval")
+    assert evals and np.isfinite(evals[-1]["test_loss"]), p.stdout
+
+
+# ------------------------------------------------------------------ signals and failures
+
+
+def _wait_for(path: Path, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists() and path.stat().st_size > 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{path} did not appear within {timeout} s")
+
+
+def _children(pid: int) -> list:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path, nproc):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([str(BIN), "train", "--config", str(TINY), "--run-dir", str(run_dir),
+                             "--epochs", "200", "--nproc", str(nproc), "--set", "output.checkpoint_every=0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(run_dir / "metrics.jsonl", 60)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == INTERRUPTED, out + err
+    assert "interrupted at step" in out and "--resume" in out
+    saved = checkpoints(run_dir)
+    assert len(saved) == 1
+    step = int(load(saved[0])["trainer.step"])
+    assert step > 0
+    p = ok(train(run_dir, "--epochs", "200", "--nproc", str(nproc), "--set", "train.max_steps=" + str(step + 4),
+                 "--resume", saved[0]))
+    assert f"resumed from {saved[0]} at step {step}" in p.stdout
+
+
+def test_a_failing_rank_stops_the_others(tmp_path):
+    proc = subprocess.Popen([str(BIN), "train", "--config", str(TINY), "--run-dir", str(tmp_path / "run"),
+                             "--epochs", "500", "--nproc", "2", "--set", "output.checkpoint_every=0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(tmp_path / "run" / "metrics.jsonl", 60)
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2
+        os.kill(ranks[1], signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert "was killed by signal 9" in err and "stopping the other 1 rank" in err, err
+    time.sleep(0.2)
+    assert not any(_alive(pid) for pid in ranks), "a rank outlived the launcher"
+
+
+# ------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (("--set", "optimizer.lrr=0.1"), ['unknown key "optimizer.lrr"', 'did you mean "lr"', "keys of optimizer:"]),
+        (("--set", "optimiser.lr=0.1"), ['unknown key "optimiser.lr"', "sections: model, data"]),
+        (("--set", "optimizer.lr=fast"), ["optimizer.lr", '"fast" is not a number', "accepted: a number >= 0"]),
+        (("--set", "model.name=cnnn"), ["model.name", "accepted values: mlp, cnn, resnet, gpt"]),
+        (("--set", "model.depth=34"), ["model.depth", "accepted values: 18, 50"]),
+        (("--set", "model.channels=8,x"), ["model.channels", '"x", not an integer']),
+        (("--set", "train.epochs=0"), ["train.epochs", "out of range"]),
+        (("--set", "optimizer.lr"), ["expected key=value"]),
+        (("--epochs", "two"), ["--epochs", "train.epochs", "not an integer"]),
+        (("--nproc", "3"), ["data.batch_size=64", "divisible by the world size 3"]),
+        (("--set", "data.path=/nonexistent"), ["/nonexistent/train-images-idx3-ubyte.gz does not exist",
+                                               "apt-get install dataset-fashion-mnist"]),
+        (("--set", "precision.master_weights=true"), ["precision.master_weights", "needs a mixed policy"]),
+        (("--set", "model.name=gpt"), ["model.name", "gpt trains on tokens"]),
+        (("--resume", "/nonexistent.pt"), ["--resume /nonexistent.pt: no such checkpoint file"]),
+        (("--bogus",), ["Option", "bogus"]),
+    ],
+    ids=["unknown-key", "unknown-section", "not-a-number", "bad-choice", "bad-int-choice", "bad-list",
+         "out-of-range", "no-equals", "bad-flag", "indivisible-batch", "missing-dataset",
+         "master-weights-float32", "model-data-mismatch", "missing-checkpoint", "unknown-option"],
+)
+def test_bad_input_is_a_usage_error(tmp_path, args, expected):
+    p = train(tmp_path / "run", *args)
+    assert p.returncode == USAGE, p.stdout + p.stderr
+    for text in expected:
+        assert text in p.stderr, f"{text!r} not in {p.stderr!r}"
+    assert not (tmp_path / "run").exists(), "a failed start wrote files"
+
+
+def test_bad_yaml_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  name: cnn\noptimizer:\n  lr: 0.1\n  momentun: 0.9\n")
+    p = run("train", "--config", bad, "--run-dir", tmp_path / "run")
+    assert p.returncode == USAGE
+    assert f"{bad}:5: unknown key \"optimizer.momentun\"" in p.stderr and 'did you mean "momentum"' in p.stderr
+    bad.write_text("model:\n  name: [cnn\n")
+    p = run("train", "--config", bad)
+    assert p.returncode == USAGE and f"{bad}:" in p.stderr and "not valid YAML" in p.stderr
+
+
+def _cuda_devices() -> int:
+    # Asked of the binary: the CLI's view is what the checks use.
+    info = ok(run("info")).stdout
+    return int(info.split("CUDA devices: ")[1].split()[0])
+
+
+def test_cuda_requests_fail_before_work(tmp_path):
+    gpus = _cuda_devices()
+    if gpus > 0:
+        p = train(tmp_path / "run", "--device", "cuda", "--nproc", str(gpus + 1))
+        assert p.returncode == USAGE and "runtime.nproc" in p.stderr and "GPUs" in p.stderr
+    else:
+        p = train(tmp_path / "run", "--device", "cuda")
+        assert p.returncode == USAGE and "no CUDA device is visible" in p.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_corrupt_checkpoint_is_an_error_and_nothing_is_overwritten(tmp_path, damage):
+    run_dir = tmp_path / "run"
+    ok(train(run_dir, "--epochs", "1"))
+    ckpt = checkpoints(run_dir)[-1]
+    data = bytearray(ckpt.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 2] ^= 0xFF  # inside the tensor data
+    ckpt.write_bytes(bytes(data))
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    p = train(run_dir, "--epochs", "1", "--resume", ckpt)
+    assert p.returncode == USAGE, p.stdout + p.stderr
+    assert "corrupt" in p.stderr and str(ckpt) in p.stderr
+    after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert before == after
+    e = run("eval", "--checkpoint", ckpt)
+    assert e.returncode == USAGE and "corrupt" in e.stderr
+
+
+def test_malformed_torchrun_environment(tmp_path):
+    p = train(tmp_path / "run", env={"RANK": "one", "WORLD_SIZE": "2"})
+    assert p.returncode == USAGE and "RANK" in p.stderr
+
+
+def test_unknown_command_and_help():
+    assert run("fly").returncode == USAGE
+    p = run("train", "--help")
+    assert p.returncode == 0 and "--steps-per-execution" in p.stdout and "--resume" in p.stdout
+    p = run("train", "--list-keys")
+    assert p.returncode == 0 and "optimizer.lr" in p.stdout and "precision.policy" in p.stdout
+
+
+# ------------------------------------------------------------------ overrides
+
+
+def test_config_overrides_are_parsed(tmp_path):
+    import yaml
+
+    p = ok(run("train", "--config", "tiny", "--set", "model.channels=[8, 16]", "--set", "optimizer.lr=3e-4",
+               "--set", "precision.master_weights=yes", "--precision", "mixed_bfloat16", "--epochs", "3",
+               "--steps-per-execution", "4", "--device", "cpu", "--set", "output.run_dir=somewhere",
+               "--set", "model.hidden=32,16", "--print-config", cwd=tmp_path))
+    c = yaml.safe_load(p.stdout)
+    assert c["model"]["channels"] == [8, 16] and c["model"]["hidden"] == [32, 16]
+    assert c["optimizer"]["lr"] == pytest.approx(3e-4)
+    assert c["precision"]["master_weights"] is True and c["precision"]["policy"] == "mixed_bfloat16"
+    assert c["train"]["epochs"] == 3 and c["train"]["steps_per_execution"] == 4
+    assert c["output"]["run_dir"] == "somewhere"
+    assert c["data"]["train_samples"] == 1024  # from the file
+    assert c["optimizer"]["beta2"] == pytest.approx(0.999)  # a default
+    assert not (tmp_path / "runs").exists()
+    # The last of repeated overrides wins; the printed config reads back the same.
+    p = ok(run("train", "--config", "tiny", "--set", "train.seed=1", "--set", "train.seed=7", "--print-config"))
+    assert yaml.safe_load(p.stdout)["train"]["seed"] == 7
+    again = tmp_path / "again.yaml"
+    again.write_text(p.stdout)
+    assert ok(run("train", "--config", again, "--print-config")).stdout == p.stdout

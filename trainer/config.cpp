@@ -1,0 +1,488 @@
+// The configuration schema, YAML reading (yaml-cpp) with file:line in every
+// error, command-line overrides and the resolved-config writer.
+#include "config.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+namespace fusetrain::trainer {
+
+namespace {
+
+constexpr double kInf = 1e300;
+
+KeySpec key(std::string name, KeyType type, std::string def, std::string help,
+            std::vector<std::string> choices = {}, double min = -kInf, double max = kInf) {
+  return KeySpec{std::move(name), type, std::move(def), std::move(choices), min, max,
+                 std::move(help)};
+}
+
+std::string join(const std::vector<std::string>& parts, const std::string& sep) {
+  std::string out;
+  for (size_t i = 0; i < parts.size(); ++i) out += (i ? sep : "") + parts[i];
+  return out;
+}
+
+std::string trim(const std::string& s) {
+  const auto b = s.find_first_not_of(" \t\r\n");
+  if (b == std::string::npos) return "";
+  const auto e = s.find_last_not_of(" \t\r\n");
+  return s.substr(b, e - b + 1);
+}
+
+std::string section_of(const std::string& k) { return k.substr(0, k.find('.')); }
+
+std::vector<std::string> sections() {
+  std::vector<std::string> out;
+  for (const auto& s : config_schema()) {
+    const std::string sec = section_of(s.key);
+    if (std::find(out.begin(), out.end(), sec) == out.end()) out.push_back(sec);
+  }
+  return out;
+}
+
+std::vector<std::string> keys_of_section(const std::string& section) {
+  std::vector<std::string> out;
+  for (const auto& s : config_schema()) {
+    if (section_of(s.key) == section) out.push_back(s.key.substr(section.size() + 1));
+  }
+  return out;
+}
+
+// Edit distance, to suggest the key a typo meant.
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1] ? 1 : 0)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+std::string suggestion(const std::string& word, const std::vector<std::string>& candidates) {
+  std::string best;
+  size_t best_d = 3;  // suggest only close misspellings
+  for (const auto& c : candidates) {
+    const size_t d = edit_distance(word, c);
+    if (d < best_d) best_d = d, best = c;
+  }
+  return best.empty() ? "" : " (did you mean \"" + best + "\"?)";
+}
+
+const char* type_name(KeyType t) {
+  switch (t) {
+    case KeyType::kInt: return "an integer";
+    case KeyType::kFloat: return "a number";
+    case KeyType::kBool: return "true or false";
+    case KeyType::kString: return "a string";
+    case KeyType::kIntList: return "a list of integers";
+  }
+  return "";
+}
+
+std::string bounds_text(const KeySpec& s) {
+  std::ostringstream out;
+  if (s.min > -kInf && s.max < kInf) {
+    out << " in [" << s.min << ", " << s.max << "]";
+  } else if (s.min > -kInf) {
+    out << " >= " << s.min;
+  } else if (s.max < kInf) {
+    out << " <= " << s.max;
+  }
+  return out.str();
+}
+
+std::string accepted_text(const KeySpec& s) {
+  if (!s.choices.empty()) return "accepted values: " + join(s.choices, ", ");
+  return std::string("accepted: ") + type_name(s.type) + bounds_text(s);
+}
+
+bool parse_int(const std::string& text, int64_t& out) {
+  const std::string t = (!text.empty() && text[0] == '+') ? text.substr(1) : text;
+  if (t.empty()) return false;
+  const auto [ptr, ec] = std::from_chars(t.data(), t.data() + t.size(), out);
+  return ec == std::errc() && ptr == t.data() + t.size();
+}
+
+bool parse_float(const std::string& text, double& out) {
+  if (text.empty()) return false;
+  char* end = nullptr;
+  errno = 0;
+  out = std::strtod(text.c_str(), &end);
+  return errno == 0 && end == text.c_str() + text.size() && std::isfinite(out);
+}
+
+bool parse_bool(const std::string& text, bool& out) {
+  std::string t = text;
+  std::transform(t.begin(), t.end(), t.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (t == "true" || t == "yes" || t == "on" || t == "1") return out = true, true;
+  if (t == "false" || t == "no" || t == "off" || t == "0") return out = false, true;
+  return false;
+}
+
+// The shortest text that reads back as `v`, in a form YAML 1.1 readers
+// (PyYAML) take for a float too: a dot in the mantissa ("0.0003", "1.0e-08").
+std::string canonical_float(double v) {
+  char buf[64];
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::snprintf(buf, sizeof(buf), "%.*g", precision, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  std::string text = buf;
+  if (text.find_first_of(".ni") == std::string::npos) {  // not "inf"/"nan"
+    const auto e = text.find('e');
+    text.insert(e == std::string::npos ? text.size() : e, ".0");
+  }
+  return text;
+}
+
+std::vector<std::string> split_list(const std::string& text) {
+  std::string t = trim(text);
+  if (t.size() >= 2 && t.front() == '[' && t.back() == ']') t = t.substr(1, t.size() - 2);
+  std::vector<std::string> out;
+  if (trim(t).empty()) return out;
+  std::stringstream ss(t);
+  std::string item;
+  while (std::getline(ss, item, ',')) out.push_back(trim(item));
+  return out;
+}
+
+}  // namespace
+
+const std::vector<KeySpec>& config_schema() {
+  using K = KeyType;
+  static const std::vector<KeySpec> schema = {
+      key("model.name", K::kString, "cnn", "architecture", {"mlp", "cnn", "resnet", "gpt"}),
+      key("model.channels", K::kIntList, "16,32",
+          "cnn: output channels of each block (3x3 conv, batch norm, ReLU, 2x2 max pool)", {}, 1,
+          4096),
+      key("model.hidden", K::kIntList, "128",
+          "mlp: hidden layer sizes; cnn: fully connected layers before the head", {}, 1, 65536),
+      key("model.dropout", K::kFloat, "0", "dropout before the head (mlp, cnn) and in gpt", {},
+          0, 0.99),
+      key("model.depth", K::kInt, "18", "resnet depth", {"18", "50"}),
+      key("model.width", K::kInt, "64", "resnet: channels of the first stage", {}, 1, 4096),
+      key("model.n_layer", K::kInt, "4", "gpt: transformer blocks", {}, 1, 1024),
+      key("model.n_head", K::kInt, "4", "gpt: attention heads (divides d_model)", {}, 1, 1024),
+      key("model.d_model", K::kInt, "128", "gpt: embedding width", {}, 8, 65536),
+      key("model.seq_len", K::kInt, "128", "gpt: context length in tokens", {}, 2, 1 << 20),
+
+      key("data.name", K::kString, "fashion_mnist", "dataset",
+          {"fashion_mnist", "synthetic_images", "synthetic_tokens", "text"}),
+      key("data.path", K::kString, "/usr/share/datasets/fashion-mnist",
+          "fashion_mnist: directory of the gzip IDX files; text: the text file"),
+      key("data.batch_size", K::kInt, "128",
+          "global batch per optimizer step, split over ranks and accumulation micro-batches", {},
+          1, 1 << 24),
+      key("data.eval_batch_size", K::kInt, "1000", "samples per evaluation forward, per rank", {},
+          1, 1 << 24),
+      key("data.train_samples", K::kInt, "0",
+          "training samples to use (0: all; synthetic: 10000)", {}, 0, 1e12),
+      key("data.test_samples", K::kInt, "0", "test samples to use (0: all; synthetic: 2000)", {},
+          0, 1e12),
+      key("data.seed", K::kInt, "0", "seed of the data order and of synthetic data", {}, 0, 1e15),
+      key("data.image_size", K::kInt, "32", "synthetic_images: height and width", {}, 4, 4096),
+      key("data.channels", K::kInt, "3", "synthetic_images: channels", {}, 1, 4096),
+      key("data.num_classes", K::kInt, "10", "synthetic_images: classes", {}, 2, 1 << 20),
+
+      key("train.epochs", K::kInt, "8", "passes over the training set", {}, 1, 1e9),
+      key("train.max_steps", K::kInt, "0",
+          "optimizer steps of the run (0: epochs x steps per epoch); the schedule follows it", {},
+          0, 1e15),
+      key("train.grad_accum", K::kInt, "1", "micro-batches accumulated per optimizer step", {}, 1,
+          1 << 20),
+      key("train.steps_per_execution", K::kInt, "1",
+          "steps run between host synchronisations (logging, progress, stop checks)", {}, 1,
+          1 << 20),
+      key("train.clip_grad_norm", K::kFloat, "0", "clip the global gradient L2 norm (0: off)", {},
+          0),
+      key("train.seed", K::kInt, "0", "seed of the initialisation and of dropout", {}, 0, 1e15),
+      key("train.log_every", K::kInt, "50", "steps between metrics.jsonl records", {}, 1, 1e15),
+
+      key("optimizer.name", K::kString, "adamw", "fused optimizer", {"adamw", "sgd"}),
+      key("optimizer.lr", K::kFloat, "0.001", "peak learning rate", {}, 0),
+      key("optimizer.weight_decay", K::kFloat, "0.01",
+          "weight decay (decoupled for adamw, L2 for sgd)", {}, 0),
+      key("optimizer.beta1", K::kFloat, "0.9", "adamw: first moment decay", {}, 0, 0.999999),
+      key("optimizer.beta2", K::kFloat, "0.999", "adamw: second moment decay", {}, 0, 0.999999),
+      key("optimizer.eps", K::kFloat, "1e-08", "adamw: denominator epsilon", {}, 0),
+      key("optimizer.momentum", K::kFloat, "0.9", "sgd: momentum", {}, 0, 1),
+      key("optimizer.nesterov", K::kBool, "false", "sgd: Nesterov momentum"),
+
+      key("schedule.warmup_steps", K::kInt, "0", "linear warm-up steps", {}, 0, 1e15),
+      key("schedule.decay", K::kString, "cosine", "decay after the warm-up", {"cosine", "none"}),
+      key("schedule.min_lr_ratio", K::kFloat, "0", "final learning rate / peak", {}, 0, 1),
+
+      key("precision.policy", K::kString, "float32", "compute precision",
+          {"float32", "mixed_float16", "mixed_bfloat16"}),
+      key("precision.master_weights", K::kBool, "false",
+          "keep the model in 16 bits with float32 master weights in the optimizer"),
+      key("precision.float32_head", K::kBool, "true",
+          "run the final layer and the loss in float32 (a float32 island)"),
+      key("precision.init_scale", K::kFloat, "65536", "mixed_float16: initial loss scale", {},
+          1e-30),
+      key("precision.growth_interval", K::kInt, "2000",
+          "mixed_float16: overflow-free steps before the scale doubles", {}, 1, 1e15),
+
+      key("runtime.device", K::kString, "cpu", "where to train", {"cpu", "cuda"}),
+      key("runtime.nproc", K::kInt, "1", "local data-parallel processes to spawn", {}, 1, 4096),
+      key("runtime.threads", K::kInt, "0",
+          "intra-op threads per process (0: cores / local processes, at least 1)", {}, 0, 4096),
+      key("runtime.timeout_s", K::kInt, "300",
+          "bound on the rendezvous and on every collective, seconds", {}, 1, 1e7),
+
+      key("output.run_dir", K::kString, "",
+          "run directory (empty: runs/<config name>-<date>-<time>)"),
+      key("output.checkpoint_every", K::kInt, "0", "steps between checkpoints (0: at the end only)",
+          {}, 0, 1e15),
+      key("output.keep_checkpoints", K::kInt, "3", "periodic checkpoints kept (oldest removed)",
+          {}, 1, 1e9),
+      key("output.progress", K::kString, "auto",
+          "progress display (auto: a bar on a terminal, lines otherwise)", {"auto", "bar", "lines"}),
+  };
+  return schema;
+}
+
+Config::Config() {
+  // Through set(), so that defaults are canonical like every other value.
+  for (const auto& s : config_schema()) set(s.key, s.default_value, "default");
+}
+
+const KeySpec& Config::spec(const std::string& k) const {
+  for (const auto& s : config_schema()) {
+    if (s.key == k) return s;
+  }
+  const std::string sec = section_of(k);
+  const auto secs = sections();
+  if (k.find('.') == std::string::npos ||
+      std::find(secs.begin(), secs.end(), sec) == secs.end()) {
+    throw UsageError("unknown key \"" + k + "\"" + suggestion(sec, secs) +
+                     "; sections: " + join(secs, ", "));
+  }
+  const std::string rest = k.substr(sec.size() + 1);
+  const auto keys = keys_of_section(sec);
+  throw UsageError("unknown key \"" + k + "\"" + suggestion(rest, keys) + "; keys of " + sec +
+                   ": " + join(keys, ", "));
+}
+
+void Config::set(const std::string& k, const std::string& raw, const std::string& origin) {
+  const KeySpec* s = nullptr;
+  try {
+    s = &spec(k);
+  } catch (const UsageError& e) {
+    throw UsageError(origin + ": " + e.what());
+  }
+  const std::string text = trim(raw);
+  auto bad = [&](const std::string& why) {
+    return UsageError(origin + ": " + k + ": \"" + text + "\" " + why + "; " + accepted_text(*s) +
+                      " (" + s->help + ")");
+  };
+  auto check_bounds = [&](double v) {
+    if (v < s->min || v > s->max) throw bad("is out of range");
+  };
+  std::string canonical = text;
+  switch (s->type) {
+    case KeyType::kInt: {
+      int64_t v = 0;
+      if (!parse_int(text, v)) throw bad("is not an integer");
+      check_bounds(static_cast<double>(v));
+      canonical = std::to_string(v);
+      break;
+    }
+    case KeyType::kFloat: {
+      double v = 0;
+      if (!parse_float(text, v)) throw bad("is not a number");
+      check_bounds(v);
+      canonical = canonical_float(v);
+      break;
+    }
+    case KeyType::kBool: {
+      bool v = false;
+      if (!parse_bool(text, v)) throw bad("is not a boolean");
+      canonical = v ? "true" : "false";
+      break;
+    }
+    case KeyType::kString:
+      break;
+    case KeyType::kIntList: {
+      const auto items = split_list(text);
+      if (items.empty()) throw bad("is an empty list");
+      std::vector<std::string> parts;
+      for (const auto& item : items) {
+        int64_t v = 0;
+        if (!parse_int(item, v)) throw bad("holds \"" + item + "\", not an integer");
+        check_bounds(static_cast<double>(v));
+        parts.push_back(std::to_string(v));
+      }
+      canonical = join(parts, ",");
+      break;
+    }
+  }
+  if (!s->choices.empty() &&
+      std::find(s->choices.begin(), s->choices.end(), canonical) == s->choices.end()) {
+    throw bad("is not accepted");
+  }
+  values_[k] = canonical;
+  origins_[k] = origin;
+}
+
+void Config::apply_override(const std::string& assignment) {
+  const auto eq = assignment.find('=');
+  if (eq == std::string::npos || eq == 0) {
+    throw UsageError("--set \"" + assignment +
+                     "\": expected key=value, e.g. --set optimizer.lr=3e-4");
+  }
+  set(trim(assignment.substr(0, eq)), assignment.substr(eq + 1), "--set " + assignment);
+}
+
+Config Config::from_yaml(const std::string& text, const std::string& origin) {
+  Config config;
+  YAML::Node root;
+  try {
+    root = YAML::Load(text);
+  } catch (const YAML::Exception& e) {
+    throw UsageError(origin + ":" + std::to_string(e.mark.line + 1) + ": not valid YAML: " +
+                     e.msg);
+  }
+  if (!root || root.IsNull()) return config;
+  auto where = [&](const YAML::Node& n) {
+    return origin + ":" + std::to_string(n.Mark().line + 1);
+  };
+  if (!root.IsMap()) {
+    throw UsageError(where(root) + ": expected sections (model:, data:, train:, ...) at the top");
+  }
+  const auto secs = sections();
+  for (const auto& section : root) {
+    const std::string sec = section.first.as<std::string>();
+    if (std::find(secs.begin(), secs.end(), sec) == secs.end()) {
+      throw UsageError(where(section.first) + ": unknown section \"" + sec + "\"" +
+                       suggestion(sec, secs) + "; sections: " + join(secs, ", "));
+    }
+    if (section.second.IsNull()) continue;
+    if (!section.second.IsMap()) {
+      throw UsageError(where(section.first) + ": section \"" + sec + "\" must hold keys");
+    }
+    for (const auto& item : section.second) {
+      const std::string k = sec + "." + item.first.as<std::string>();
+      const YAML::Node& v = item.second;
+      std::string value;
+      if (v.IsSequence()) {
+        std::vector<std::string> parts;
+        for (const auto& e : v) {
+          if (!e.IsScalar()) throw UsageError(where(e) + ": " + k + ": list items must be values");
+          parts.push_back(e.Scalar());
+        }
+        value = "[" + join(parts, ",") + "]";
+      } else if (v.IsScalar() || v.IsNull()) {
+        value = v.IsNull() ? "" : v.Scalar();
+      } else {
+        throw UsageError(where(item.first) + ": " + k + ": expected a value, not a mapping");
+      }
+      config.set(k, value, where(item.first));
+    }
+  }
+  return config;
+}
+
+Config Config::from_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in.good()) {
+    throw UsageError("--config " + path + ": cannot open the file (configs/ holds the shipped ones)");
+  }
+  std::stringstream buf;
+  buf << in.rdbuf();
+  Config config = from_yaml(buf.str(), path);
+  std::string base = path.substr(path.find_last_of('/') + 1);
+  config.set_name(base.substr(0, base.find_last_of('.')));
+  return config;
+}
+
+int64_t Config::get_int(const std::string& k) const {
+  int64_t v = 0;
+  parse_int(values_.at(spec(k).key), v);
+  return v;
+}
+
+double Config::get_float(const std::string& k) const {
+  double v = 0;
+  parse_float(values_.at(spec(k).key), v);
+  return v;
+}
+
+bool Config::get_bool(const std::string& k) const {
+  bool v = false;
+  parse_bool(values_.at(spec(k).key), v);
+  return v;
+}
+
+const std::string& Config::get_string(const std::string& k) const { return values_.at(spec(k).key); }
+
+std::vector<int64_t> Config::get_int_list(const std::string& k) const {
+  std::vector<int64_t> out;
+  for (const auto& item : split_list(values_.at(spec(k).key))) {
+    int64_t v = 0;
+    parse_int(item, v);
+    out.push_back(v);
+  }
+  return out;
+}
+
+const std::string& Config::origin(const std::string& k) const { return origins_.at(spec(k).key); }
+
+UsageError Config::error(const std::string& k, const std::string& message) const {
+  return UsageError(k + "=" + values_.at(spec(k).key) + " (" + origin(k) + "): " + message);
+}
+
+std::string Config::to_yaml() const {
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  for (const auto& sec : sections()) {
+    out << YAML::Key << sec << YAML::Value << YAML::BeginMap;
+    for (const auto& s : config_schema()) {
+      if (section_of(s.key) != sec) continue;
+      out << YAML::Key << s.key.substr(sec.size() + 1) << YAML::Value;
+      const std::string& v = values_.at(s.key);
+      if (s.type == KeyType::kIntList) {
+        out << YAML::Flow << YAML::BeginSeq;
+        for (const auto& item : split_list(v)) out << item;
+        out << YAML::EndSeq;
+      } else if (s.type == KeyType::kString) {
+        // Quoted, so that a string such as "1" or "" reads back as a string.
+        out << YAML::DoubleQuoted << v;
+      } else {
+        out << v;
+      }
+    }
+    out << YAML::EndMap;
+  }
+  out << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+std::string describe_schema() {
+  std::ostringstream out;
+  std::string current;
+  for (const auto& s : config_schema()) {
+    const std::string sec = section_of(s.key);
+    if (sec != current) out << "\n" << sec << ":\n", current = sec;
+    out << "  " << s.key << " = " << (s.default_value.empty() ? "\"\"" : s.default_value) << "  "
+        << s.help << "; " << accepted_text(s) << "\n";
+  }
+  return out.str();
+}
+
+}  // namespace fusetrain::trainer

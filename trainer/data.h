@@ -1,0 +1,85 @@
+// The trainer's datasets (Fashion-MNIST from its gzip IDX files, synthetic
+// images and tokens, a byte-level text file), held whole in memory, and the
+// sampler that gives each rank its shard of every global batch.
+#pragma once
+
+#include "config.h"
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fusetrain::trainer {
+
+/// One split, whole: inputs [N, C, H, W] float32 (images) or [N, T] int64
+/// (token windows); targets [N] int64 (classes) or [N, T] int64 (next tokens).
+struct Split {
+  at::Tensor inputs;
+  at::Tensor targets;
+  int64_t size() const { return inputs.size(0); }
+};
+
+struct Dataset {
+  Split train;
+  Split test;
+  /// Classes (images) or vocabulary size (tokens).
+  int64_t num_classes = 0;
+  /// [C, H, W] for images, [T] for token windows.
+  std::vector<int64_t> input_shape;
+  bool is_tokens = false;
+  /// Normalisation applied to the images (x - mean) / std; 0 and 1 if none.
+  double mean = 0.0;
+  double std = 1.0;
+  std::string description;
+};
+
+/// Loads the dataset the config names (data.*), moved to `device`. Every
+/// rank loads the same data; the sampler picks its share. A missing
+/// Fashion-MNIST names the Debian package to install.
+Dataset load_dataset(const Config& config, const at::Device& device);
+
+/// Checks that the files the dataset needs exist (before any work starts);
+/// a missing Fashion-MNIST names the Debian package that provides it.
+void check_data_available(const Config& config);
+
+/// splitmix64: decorrelates nearby seeds (seed, seed + 1; epoch 0, 1, ...).
+uint64_t mix_seed(uint64_t x);
+
+/// Reads one gzip IDX file (magic 0x0801 labels or 0x0803 images) into a
+/// uint8 tensor of its shape. Errors name the file and what is wrong.
+at::Tensor read_idx_gz(const std::string& path);
+
+/// The data order: every epoch a permutation of the training set drawn from
+/// (seed, epoch); step s of an epoch uses the global batch at positions
+/// [s * B, (s + 1) * B) of it (a tail smaller than B is dropped). Rank r of
+/// W takes the r-th of W equal slices of the global batch and splits it into
+/// grad_accum micro-batches. The order depends only on the seed, the epoch
+/// and the global batch size, so a resumed run, or one with another world
+/// size, sees the same global batches.
+class BatchSampler {
+ public:
+  BatchSampler(int64_t num_samples, int64_t global_batch, int world_size, int rank,
+               int64_t grad_accum, uint64_t seed);
+
+  int64_t steps_per_epoch() const { return steps_per_epoch_; }
+  /// Sample indices of micro-batch `micro` of step `step_in_epoch` of `epoch` for this rank.
+  at::Tensor indices(int64_t epoch, int64_t step_in_epoch, int64_t micro);
+
+ private:
+  int64_t num_samples_;
+  int64_t global_batch_;
+  int world_size_;
+  int rank_;
+  int64_t grad_accum_;
+  uint64_t seed_;
+  int64_t steps_per_epoch_;
+  int64_t cached_epoch_ = -1;
+  at::Tensor permutation_;
+};
+
+/// This rank's contiguous part [begin, end) of `n` evaluation samples.
+std::pair<int64_t, int64_t> eval_shard(int64_t n, int world_size, int rank);
+
+}  // namespace fusetrain::trainer

@@ -1,0 +1,247 @@
+// Local rank spawning, stop signals, and the trainer's view of a process group.
+#include "launch.h"
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <sched.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <iostream>
+#include <map>
+
+extern char** environ;
+
+namespace fusetrain::trainer {
+
+namespace {
+
+volatile sig_atomic_t g_stop = 0;
+volatile sig_atomic_t g_parent_signal = 0;
+
+void on_stop_signal(int sig) {
+  if (g_stop && sig == SIGINT) {
+    // A second Ctrl-C: the user does not want to wait for the checkpoint.
+    constexpr char kMsg[] = "\nfusetrain: interrupted again, exiting without a checkpoint\n";
+    (void)!::write(STDERR_FILENO, kMsg, sizeof(kMsg) - 1);
+    ::_exit(130);
+  }
+  g_stop = 1;
+}
+
+void on_parent_signal(int sig) { g_parent_signal = sig; }
+
+void set_handler(int sig, void (*fn)(int), bool restart) {
+  struct sigaction sa {};
+  sa.sa_handler = fn;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = restart ? SA_RESTART : 0;
+  ::sigaction(sig, &sa, nullptr);
+}
+
+std::string self_exe() {
+  char buf[PATH_MAX];
+  const ssize_t n = ::readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) throw std::runtime_error("cannot locate the fusetrain executable (/proc/self/exe)");
+  return std::string(buf, static_cast<size_t>(n));
+}
+
+std::string describe_status(int status) {
+  if (WIFEXITED(status)) return "exited with code " + std::to_string(WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    return std::string("was killed by signal ") + std::to_string(WTERMSIG(status)) + " (" +
+           ::strsignal(WTERMSIG(status)) + ")";
+  }
+  return "stopped";
+}
+
+int exit_code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+}  // namespace
+
+void install_stop_handlers() {
+  set_handler(SIGINT, on_stop_signal, true);
+  set_handler(SIGTERM, on_stop_signal, true);
+}
+
+bool stop_requested() { return g_stop != 0; }
+
+int available_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  const long online = ::sysconf(_SC_NPROCESSORS_ONLN);
+  return online > 0 ? static_cast<int>(online) : 1;
+}
+
+int spawn_local_ranks(const std::vector<std::string>& args, int nproc) {
+  const std::string exe = self_exe();
+  const int port = dist::free_port();
+  static const char* kOwned[] = {"RANK=",        "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=",
+                                 "MASTER_ADDR=", "MASTER_PORT="};
+
+  // Everything exec needs is built before fork: the child may only call
+  // async-signal-safe functions, and this process may already run threads.
+  std::vector<std::string> argv_s = {exe};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_s) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::vector<std::vector<std::string>> env_s(nproc);
+  std::vector<std::vector<char*>> envp(nproc);
+  for (int r = 0; r < nproc; ++r) {
+    for (char** e = environ; *e != nullptr; ++e) {
+      bool owned = false;
+      for (const char* k : kOwned) owned = owned || std::strncmp(*e, k, std::strlen(k)) == 0;
+      if (!owned) env_s[r].emplace_back(*e);
+    }
+    env_s[r].push_back("RANK=" + std::to_string(r));
+    env_s[r].push_back("WORLD_SIZE=" + std::to_string(nproc));
+    env_s[r].push_back("LOCAL_RANK=" + std::to_string(r));
+    env_s[r].push_back("LOCAL_WORLD_SIZE=" + std::to_string(nproc));
+    env_s[r].push_back("MASTER_ADDR=127.0.0.1");
+    env_s[r].push_back("MASTER_PORT=" + std::to_string(port));
+    for (auto& e : env_s[r]) envp[r].push_back(e.data());
+    envp[r].push_back(nullptr);
+  }
+
+  set_handler(SIGINT, on_parent_signal, /*restart=*/false);
+  set_handler(SIGTERM, on_parent_signal, /*restart=*/false);
+  std::cout.flush();
+  std::cerr.flush();
+
+  const pid_t parent = ::getpid();
+  pid_t pgid = 0;
+  std::map<pid_t, int> rank_of;
+  for (int r = 0; r < nproc; ++r) {
+    const pid_t pid = ::fork();
+    if (pid < 0) {
+      if (pgid) ::kill(-pgid, SIGKILL);
+      throw std::runtime_error(std::string("cannot start rank ") + std::to_string(r) + ": fork: " +
+                               std::strerror(errno));
+    }
+    if (pid == 0) {
+      // Own process group, so that the parent can stop all ranks at once
+      // and a terminal's Ctrl-C reaches only the parent, which forwards it.
+      ::setpgid(0, pgid);
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(1);
+      ::signal(SIGINT, SIG_DFL);
+      ::signal(SIGTERM, SIG_DFL);
+      ::execve(exe.c_str(), argv.data(), envp[r].data());
+      ::_exit(127);
+    }
+    if (pgid == 0) pgid = pid;
+    ::setpgid(pid, pgid);  // also here: whichever of the two runs first
+    rank_of[pid] = r;
+  }
+
+  int alive = nproc;
+  int result = 0;
+  bool failed = false;
+  bool forwarded = false;
+  while (alive > 0) {
+    int status = 0;
+    const pid_t pid = ::waitpid(-pgid, &status, 0);
+    if (pid < 0) {
+      if (errno != EINTR) break;
+      if (g_parent_signal != 0) {
+        if (!forwarded) {
+          // The ranks agree on a step to stop at, save a checkpoint and exit.
+          ::kill(-pgid, SIGINT);
+          forwarded = true;
+        } else {
+          ::kill(-pgid, SIGKILL);
+        }
+        g_parent_signal = 0;
+      }
+      continue;
+    }
+    --alive;
+    const int code = exit_code_of(status);
+    if (code == 0 || failed) continue;
+    if (forwarded && code == 130) {
+      result = 130;
+      continue;
+    }
+    std::cerr << "fusetrain: rank " << rank_of[pid] << " " << describe_status(status)
+              << "; stopping the other " << alive << " rank" << (alive == 1 ? "" : "s") << "\n";
+    ::kill(-pgid, SIGKILL);
+    failed = true;
+    result = code;
+  }
+  set_handler(SIGINT, SIG_DFL, true);
+  set_handler(SIGTERM, SIG_DFL, true);
+  return result;
+}
+
+// ------------------------------------------------------------------ Distributed
+
+Distributed::Distributed() = default;
+Distributed::~Distributed() = default;
+
+Distributed::Distributed(const dist::Environment& env, c10::DeviceType device_type,
+                         std::chrono::milliseconds timeout)
+    : rank_(env.rank), world_size_(env.world_size), local_rank_(env.local_rank) {
+  if (world_size_ > 1) {
+    dist::ProcessGroupOptions options;
+    options.device_type = device_type;
+    options.timeout = timeout;
+    group_ = dist::init_process_group(env, options);
+  }
+}
+
+void Distributed::allreduce_sum_(const at::Tensor& t) const {
+  if (!group_) return;
+  std::vector<at::Tensor> ts = {t};
+  group_->allreduce(ts)->wait();
+}
+
+void Distributed::allreduce_max_(const at::Tensor& t) const {
+  if (!group_) return;
+  std::vector<at::Tensor> ts = {t};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::MAX;
+  group_->allreduce(ts, opts)->wait();
+}
+
+void Distributed::broadcast_(const std::vector<at::Tensor>& tensors) const {
+  if (!group_ || tensors.empty()) return;
+  dist::broadcast_from_rank0(group_, tensors);
+}
+
+void Distributed::barrier() const {
+  if (group_) group_->barrier()->wait();
+}
+
+// ------------------------------------------------------------------ ParallelModel
+
+ParallelModel::ParallelModel(Model model, const Distributed& world, dist::DDPOptions options)
+    : model_(std::move(model)) {
+  if (world.is_distributed()) {
+    ddp_ = std::make_unique<dist::DistributedDataParallel<Model>>(model_, world.group(), options);
+  }
+}
+
+ParallelModel::~ParallelModel() = default;
+
+at::Tensor ParallelModel::forward(const at::Tensor& x) {
+  return ddp_ ? ddp_->forward(x) : model_->forward(x);
+}
+
+std::shared_ptr<void> ParallelModel::no_sync() {
+  if (!ddp_) return nullptr;
+  return std::shared_ptr<void>(ddp_->no_sync());
+}
+
+}  // namespace fusetrain::trainer

@@ -1,0 +1,86 @@
+// Processes: spawning local ranks (fork/exec of this binary with the torchrun
+// variables set), stop requests from SIGINT/SIGTERM, and the thin layer over
+// fusetrain::dist the training loop talks to (a world of one needs no group).
+#pragma once
+
+#include "models.h"
+
+#include <fusetrain/dist/ddp.h>
+#include <fusetrain/dist/process_group.h>
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fusetrain::trainer {
+
+/// Runs this executable with `args` (argv without argv[0]) as `nproc` local
+/// ranks: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR
+/// (127.0.0.1) and MASTER_PORT (a free port) set, all in one new process
+/// group that dies with this process. When a rank fails the others are killed
+/// at once and its exit code is returned; Ctrl-C is forwarded to the ranks
+/// (they save a checkpoint and stop), a second Ctrl-C kills them.
+int spawn_local_ranks(const std::vector<std::string>& args, int nproc);
+
+/// SIGINT and SIGTERM set the stop flag instead of killing the process; a
+/// second SIGINT exits at once.
+void install_stop_handlers();
+bool stop_requested();
+
+/// CPUs this process may run on (its affinity mask).
+int available_cores();
+
+/// The data-parallel world of this process.
+class Distributed {
+ public:
+  /// A world of one: every collective is a no-op.
+  Distributed();
+  /// Joins the group of `env` (gloo on CPU, NCCL on CUDA) with `timeout` on
+  /// the rendezvous and on every collective.
+  Distributed(const dist::Environment& env, c10::DeviceType device_type,
+              std::chrono::milliseconds timeout);
+  // Out of line: c10d::ProcessGroup is complete only in launch.cpp.
+  ~Distributed();
+  Distributed(const Distributed&) = delete;
+  Distributed& operator=(const Distributed&) = delete;
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  int local_rank() const { return local_rank_; }
+  bool is_distributed() const { return world_size_ > 1; }
+  const c10::intrusive_ptr<c10d::ProcessGroup>& group() const { return group_; }
+
+  /// In place, across ranks.
+  void allreduce_sum_(const at::Tensor& t) const;
+  void allreduce_max_(const at::Tensor& t) const;
+  /// Overwrites `tensors` with rank 0's values.
+  void broadcast_(const std::vector<at::Tensor>& tensors) const;
+  void barrier() const;
+
+ private:
+  int rank_ = 0;
+  int world_size_ = 1;
+  int local_rank_ = 0;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+};
+
+/// The model as the training step sees it: DistributedDataParallel when the
+/// world has several ranks, the plain model otherwise.
+class ParallelModel {
+ public:
+  ParallelModel(Model model, const Distributed& world, dist::DDPOptions options);
+  ~ParallelModel();
+  at::Tensor forward(const at::Tensor& x);
+  /// While the returned guard lives, backward only accumulates local
+  /// gradients (gradient accumulation); null for a world of one.
+  std::shared_ptr<void> no_sync();
+
+ private:
+  Model model_;
+  std::unique_ptr<dist::DistributedDataParallel<Model>> ddp_;
+};
+
+}  // namespace fusetrain::trainer

@@ -1,0 +1,323 @@
+// Model definitions: mlp, cnn, CIFAR-style ResNet-18/50 and a byte-level GPT.
+#include "models.h"
+
+#include <torch/nn.h>
+
+#include <cmath>
+
+namespace fusetrain::trainer {
+
+namespace nn = torch::nn;
+
+void ModelImpl::make_head(int64_t in, int64_t out, bool float32) {
+  nn::Linear linear(in, out);
+  if (float32) {
+    head32_ = register_module("head", amp::keep_float32(linear));
+  } else {
+    head_ = register_module("head", linear);
+  }
+}
+
+at::Tensor ModelImpl::apply_head(const at::Tensor& x) {
+  return head32_ ? head32_->forward(x) : head_->forward(x);
+}
+
+namespace {
+
+int64_t product(const std::vector<int64_t>& v) {
+  int64_t p = 1;
+  for (int64_t x : v) p *= x;
+  return p;
+}
+
+// ------------------------------------------------------------------ mlp
+
+class MlpImpl : public ModelImpl {
+ public:
+  MlpImpl(const Config& c, const Dataset& d) {
+    int64_t n = product(d.input_shape);
+    layers_->push_back(nn::Flatten());
+    for (int64_t h : c.get_int_list("model.hidden")) {
+      layers_->push_back(nn::Linear(n, h));
+      layers_->push_back(nn::ReLU());
+      n = h;
+    }
+    if (c.get_float("model.dropout") > 0) layers_->push_back(nn::Dropout(c.get_float("model.dropout")));
+    register_module("layers", layers_);
+    make_head(n, d.num_classes, c.get_bool("precision.float32_head"));
+  }
+  at::Tensor forward(const at::Tensor& x) override { return apply_head(layers_->forward(x)); }
+
+ private:
+  nn::Sequential layers_;
+};
+
+// ------------------------------------------------------------------ cnn
+
+class CnnImpl : public ModelImpl {
+ public:
+  CnnImpl(const Config& c, const Dataset& d) {
+    int64_t in = d.input_shape[0], h = d.input_shape[1], w = d.input_shape[2];
+    for (int64_t ch : c.get_int_list("model.channels")) {
+      if (h < 2 || w < 2) {
+        throw c.error("model.channels", "too many pooling blocks for " + std::to_string(d.input_shape[1]) +
+                                            "x" + std::to_string(d.input_shape[2]) + " images");
+      }
+      features_->push_back(nn::Conv2d(nn::Conv2dOptions(in, ch, 3).padding(1).bias(false)));
+      features_->push_back(nn::BatchNorm2d(ch));
+      features_->push_back(nn::ReLU());
+      features_->push_back(nn::MaxPool2d(2));
+      in = ch, h /= 2, w /= 2;
+    }
+    int64_t n = in * h * w;
+    classifier_->push_back(nn::Flatten());
+    for (int64_t hidden : c.get_int_list("model.hidden")) {
+      classifier_->push_back(nn::Linear(n, hidden));
+      classifier_->push_back(nn::ReLU());
+      n = hidden;
+    }
+    if (c.get_float("model.dropout") > 0) {
+      classifier_->push_back(nn::Dropout(c.get_float("model.dropout")));
+    }
+    register_module("features", features_);
+    register_module("classifier", classifier_);
+    make_head(n, d.num_classes, c.get_bool("precision.float32_head"));
+  }
+  at::Tensor forward(const at::Tensor& x) override {
+    return apply_head(classifier_->forward(features_->forward(x)));
+  }
+
+ private:
+  nn::Sequential features_;
+  nn::Sequential classifier_;
+};
+
+// ------------------------------------------------------------------ resnet
+
+nn::Conv2d conv(int64_t in, int64_t out, int64_t k, int64_t stride) {
+  return nn::Conv2d(nn::Conv2dOptions(in, out, k).stride(stride).padding(k / 2).bias(false));
+}
+
+nn::Sequential shortcut(int64_t in, int64_t out, int64_t stride) {
+  if (stride == 1 && in == out) return nullptr;
+  return nn::Sequential(conv(in, out, 1, stride), nn::BatchNorm2d(out));
+}
+
+class BasicBlockImpl : public nn::Module {
+ public:
+  static constexpr int64_t kExpansion = 1;
+  BasicBlockImpl(int64_t in, int64_t planes, int64_t stride)
+      : conv1(register_module("conv1", conv(in, planes, 3, stride))),
+        bn1(register_module("bn1", nn::BatchNorm2d(planes))),
+        conv2(register_module("conv2", conv(planes, planes, 3, 1))),
+        bn2(register_module("bn2", nn::BatchNorm2d(planes))),
+        downsample(shortcut(in, planes, stride)) {
+    if (downsample) register_module("downsample", downsample);
+  }
+  at::Tensor forward(at::Tensor x) {
+    at::Tensor out = bn1(conv1(x)).relu_();
+    out = bn2(conv2(out));
+    return out.add_(downsample ? downsample->forward(x) : x).relu_();
+  }
+  // Declared in registration order (members initialise in this order).
+  nn::Conv2d conv1;
+  nn::BatchNorm2d bn1;
+  nn::Conv2d conv2;
+  nn::BatchNorm2d bn2;
+  nn::Sequential downsample;
+};
+TORCH_MODULE(BasicBlock);
+
+class BottleneckImpl : public nn::Module {
+ public:
+  static constexpr int64_t kExpansion = 4;
+  BottleneckImpl(int64_t in, int64_t planes, int64_t stride)
+      : conv1(register_module("conv1", conv(in, planes, 1, 1))),
+        bn1(register_module("bn1", nn::BatchNorm2d(planes))),
+        conv2(register_module("conv2", conv(planes, planes, 3, stride))),
+        bn2(register_module("bn2", nn::BatchNorm2d(planes))),
+        conv3(register_module("conv3", conv(planes, planes * kExpansion, 1, 1))),
+        bn3(register_module("bn3", nn::BatchNorm2d(planes * kExpansion))),
+        downsample(shortcut(in, planes * kExpansion, stride)) {
+    if (downsample) register_module("downsample", downsample);
+  }
+  at::Tensor forward(at::Tensor x) {
+    at::Tensor out = bn1(conv1(x)).relu_();
+    out = bn2(conv2(out)).relu_();
+    out = bn3(conv3(out));
+    return out.add_(downsample ? downsample->forward(x) : x).relu_();
+  }
+  nn::Conv2d conv1;
+  nn::BatchNorm2d bn1;
+  nn::Conv2d conv2;
+  nn::BatchNorm2d bn2;
+  nn::Conv2d conv3;
+  nn::BatchNorm2d bn3;
+  nn::Sequential downsample;
+};
+TORCH_MODULE(Bottleneck);
+
+// ResNet for 32x32 inputs (He et al.'s CIFAR variant of the ImageNet
+// networks): a 3x3 stem without max pooling, four stages, global pooling.
+class ResNetImpl : public ModelImpl {
+ public:
+  ResNetImpl(const Config& c, const Dataset& d) {
+    const int64_t depth = c.get_int("model.depth");
+    const int64_t width = c.get_int("model.width");
+    const std::vector<int64_t> blocks =
+        depth == 18 ? std::vector<int64_t>{2, 2, 2, 2} : std::vector<int64_t>{3, 4, 6, 3};
+    const int64_t expansion = depth == 18 ? BasicBlockImpl::kExpansion : BottleneckImpl::kExpansion;
+    conv1_ = register_module("conv1", conv(d.input_shape[0], width, 3, 1));
+    bn1_ = register_module("bn1", nn::BatchNorm2d(width));
+    int64_t in = width;
+    for (int stage = 0; stage < 4; ++stage) {
+      const int64_t planes = width << stage;
+      nn::Sequential layer;
+      for (int64_t b = 0; b < blocks[stage]; ++b) {
+        const int64_t stride = (stage > 0 && b == 0) ? 2 : 1;
+        if (depth == 18) {
+          layer->push_back(BasicBlock(in, planes, stride));
+        } else {
+          layer->push_back(Bottleneck(in, planes, stride));
+        }
+        in = planes * expansion;
+      }
+      layers_.push_back(register_module("layer" + std::to_string(stage + 1), layer));
+    }
+    make_head(in, d.num_classes, c.get_bool("precision.float32_head"));
+  }
+  at::Tensor forward(const at::Tensor& x) override {
+    at::Tensor out = bn1_(conv1_(x)).relu_();
+    for (auto& layer : layers_) out = layer->forward(out);
+    return apply_head(out.mean({2, 3}));
+  }
+
+ private:
+  nn::Conv2d conv1_{nullptr};
+  nn::BatchNorm2d bn1_{nullptr};
+  std::vector<nn::Sequential> layers_;
+};
+
+// ------------------------------------------------------------------ gpt
+
+class GptBlockImpl : public nn::Module {
+ public:
+  GptBlockImpl(int64_t d, int64_t heads, double dropout)
+      : ln1(register_module("ln1", nn::LayerNorm(nn::LayerNormOptions({d})))),
+        qkv(register_module("qkv", nn::Linear(d, 3 * d))),
+        proj(register_module("proj", nn::Linear(d, d))),
+        ln2(register_module("ln2", nn::LayerNorm(nn::LayerNormOptions({d})))),
+        fc(register_module("fc", nn::Linear(d, 4 * d))),
+        fc_proj(register_module("fc_proj", nn::Linear(4 * d, d))),
+        heads_(heads),
+        dropout_(dropout) {}
+
+  at::Tensor forward(const at::Tensor& x) {
+    const int64_t b = x.size(0), t = x.size(1), d = x.size(2);
+    const at::Tensor qkv_out = qkv(ln1(x)).view({b, t, 3, heads_, d / heads_}).permute({2, 0, 3, 1, 4});
+    const at::Tensor y = at::scaled_dot_product_attention(
+        qkv_out[0], qkv_out[1], qkv_out[2], /*attn_mask=*/{}, is_training() ? dropout_ : 0.0,
+        /*is_causal=*/true);
+    at::Tensor h = x + dropout(proj(y.transpose(1, 2).reshape({b, t, d})));
+    return h + dropout(fc_proj(at::gelu(fc(ln2(h)))));
+  }
+
+  nn::LayerNorm ln1;
+  nn::Linear qkv, proj;
+  nn::LayerNorm ln2;
+  nn::Linear fc, fc_proj;
+
+ private:
+  at::Tensor dropout(const at::Tensor& x) {
+    return dropout_ > 0 ? at::dropout(x, dropout_, is_training()) : x;
+  }
+  int64_t heads_;
+  double dropout_;
+};
+TORCH_MODULE(GptBlock);
+
+class GptImpl : public ModelImpl {
+ public:
+  GptImpl(const Config& c, const Dataset& d) {
+    const int64_t dm = c.get_int("model.d_model");
+    const int64_t heads = c.get_int("model.n_head");
+    if (dm % heads != 0) {
+      throw c.error("model.n_head", "must divide model.d_model=" + std::to_string(dm));
+    }
+    seq_len_ = c.get_int("model.seq_len");
+    tok_emb_ = register_module("tok_emb", nn::Embedding(d.num_classes, dm));
+    pos_emb_ = register_parameter("pos_emb", at::randn({seq_len_, dm}) * 0.02);
+    for (int64_t i = 0; i < c.get_int("model.n_layer"); ++i) {
+      blocks_->push_back(GptBlock(dm, heads, c.get_float("model.dropout")));
+    }
+    register_module("blocks", blocks_);
+    ln_f_ = register_module("ln_f", nn::LayerNorm(nn::LayerNormOptions({dm})));
+    make_head(dm, d.num_classes, c.get_bool("precision.float32_head"));
+    // GPT-2's initialisation: N(0, 0.02) weights, zero biases, and residual
+    // projections scaled down by the depth so the residual stream's variance
+    // does not grow with it.
+    at::NoGradGuard no_grad;
+    const double residual_std = 0.02 / std::sqrt(2.0 * static_cast<double>(blocks_->size()));
+    for (auto& p : named_parameters()) {
+      const std::string& name = p.key();
+      if (name.find("ln") != std::string::npos || name == "pos_emb") continue;
+      if (name.size() > 5 && name.compare(name.size() - 5, 5, ".bias") == 0) {
+        p.value().zero_();
+      } else if (name.find("proj.weight") != std::string::npos) {
+        p.value().normal_(0.0, residual_std);
+      } else {
+        p.value().normal_(0.0, 0.02);
+      }
+    }
+  }
+
+  at::Tensor forward(const at::Tensor& idx) override {
+    const int64_t t = idx.size(1);
+    TORCH_CHECK(t <= seq_len_, "gpt: sequence of ", t, " tokens is longer than model.seq_len=",
+                seq_len_);
+    at::Tensor x = tok_emb_(idx) + pos_emb_.narrow(0, 0, t);
+    for (const auto& block : *blocks_) x = block->as<GptBlockImpl>()->forward(x);
+    return apply_head(ln_f_(x));
+  }
+
+ private:
+  int64_t seq_len_ = 0;
+  nn::Embedding tok_emb_{nullptr};
+  at::Tensor pos_emb_;
+  nn::ModuleList blocks_;
+  nn::LayerNorm ln_f_{nullptr};
+};
+
+}  // namespace
+
+Model make_model(const Config& config, const Dataset& data) {
+  const std::string& name = config.get_string("model.name");
+  if (name == "gpt" && !data.is_tokens) {
+    throw config.error("model.name", "gpt needs token data (data.name=text or synthetic_tokens)");
+  }
+  if (name != "gpt" && data.is_tokens) {
+    throw config.error("model.name", name + " needs image data (data.name=fashion_mnist or "
+                                            "synthetic_images), not " + config.get_string("data.name"));
+  }
+  if (name == "mlp") return std::make_shared<MlpImpl>(config, data);
+  if (name == "cnn") return std::make_shared<CnnImpl>(config, data);
+  if (name == "resnet") return std::make_shared<ResNetImpl>(config, data);
+  return std::make_shared<GptImpl>(config, data);
+}
+
+void cast_for_master_weights(const Model& model, at::ScalarType dtype) {
+  for (const auto& m : model->modules(/*include_self=*/false)) {
+    if (dynamic_cast<nn::Conv2dImpl*>(m.get()) || dynamic_cast<nn::LinearImpl*>(m.get()) ||
+        dynamic_cast<nn::EmbeddingImpl*>(m.get())) {
+      m->to(dtype);
+    }
+  }
+}
+
+int64_t count_parameters(const Model& model) {
+  int64_t n = 0;
+  for (const auto& p : model->parameters()) n += p.numel();
+  return n;
+}
+
+}  // namespace fusetrain::trainer

@@ -1,0 +1,52 @@
+// The trainer's models: mlp, cnn (conv, batch norm, pooling), resnet
+// (ResNet-18/50 for 32x32 images) and gpt (a small decoder-only transformer
+// over bytes). Each ends in a linear "head" that runs in float32 under mixed
+// precision when precision.float32_head is set (a float32 island).
+//
+// Parameter names are part of the checkpoint format: python/fusetrain/
+// load_checkpoint.py rebuilds mlp and cnn with the same names and shapes.
+#pragma once
+
+#include "config.h"
+#include "data.h"
+
+#include <fusetrain/amp/float32_module.h>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/linear.h>
+
+#include <memory>
+#include <string>
+
+namespace fusetrain::trainer {
+
+/// A classifier or language model: forward() returns logits, [N, classes]
+/// or [N, T, vocabulary].
+class ModelImpl : public torch::nn::Module {
+ public:
+  virtual at::Tensor forward(const at::Tensor& x) = 0;
+
+ protected:
+  /// Registers the final layer as "head", in float32 when `float32`.
+  void make_head(int64_t in, int64_t out, bool float32);
+  at::Tensor apply_head(const at::Tensor& x);
+
+ private:
+  torch::nn::Linear head_{nullptr};
+  std::shared_ptr<amp::Float32Impl<torch::nn::Linear>> head32_;
+};
+
+using Model = std::shared_ptr<ModelImpl>;
+
+/// Builds the model the config names (model.*) for the dataset's shapes.
+/// Parameters are initialised from the current default generator.
+Model make_model(const Config& config, const Dataset& data);
+
+/// For precision.master_weights: casts the weights of convolutions, linear
+/// layers and embeddings to `dtype`; normalisation layers and the head stay
+/// float32 (the optimizer keeps float32 master copies of the rest).
+void cast_for_master_weights(const Model& model, at::ScalarType dtype);
+
+int64_t count_parameters(const Model& model);
+
+}  // namespace fusetrain::trainer

@@ -1,0 +1,1000 @@
+// The training run and `fusetrain eval`.
+//
+// Note [Bitwise resumption]
+// A resumed CPU run ends with the same parameters, bit for bit, as an
+// uninterrupted one, because everything a step depends on is either in the
+// checkpoint or a function of the step number:
+//  - model parameters and buffers, optimizer moments, step counts and master
+//    weights, and the loss scaler's state are saved and restored exactly;
+//  - the learning rate is a function of the step;
+//  - the data order is a function of (data.seed, epoch), and a step's batch
+//    of its position in the epoch (BatchSampler);
+//  - the random streams (dropout) are reseeded at every step from
+//    (train.seed, rank, step), so no generator state has to travel between
+//    ranks; the generator's state at save time is stored as well;
+//  - logging, progress, evaluation and checkpointing read values but never
+//    change the training state, and host synchronisation points
+//    (steps_per_execution) change only when values are read.
+#include "train.h"
+
+#include "checkpoint.h"
+#include "data.h"
+#include "models.h"
+
+#include <fusetrain/amp/grad_scaler.h>
+#include <fusetrain/amp/policy.h>
+#include <fusetrain/ops/optim.h>
+#include <fusetrain/optim/fused.h>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <torch/cuda.h>
+
+#include <dirent.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cerrno>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <iostream>
+#include <mutex>
+#include <sstream>
+
+namespace fusetrain::trainer {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int64_t kFormatVersion = 1;
+constexpr double kBarRefreshSeconds = 0.1;
+
+// ------------------------------------------------------------------ helpers
+
+std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+std::string format(const char* fmt, ...) {
+  char buf[512];
+  va_list args;
+  va_start(args, fmt);
+  std::vsnprintf(buf, sizeof(buf), fmt, args);
+  va_end(args);
+  return buf;
+}
+
+std::string duration_text(double s) {
+  if (s < 60) return format("%.1fs", s);
+  const auto total = static_cast<int64_t>(s);
+  if (total < 3600) return format("%ldm%02lds", static_cast<long>(total / 60), static_cast<long>(total % 60));
+  return format("%ldh%02ldm", static_cast<long>(total / 3600), static_cast<long>(total % 3600 / 60));
+}
+
+std::string json_number(double v) { return std::isfinite(v) ? format("%.6g", v) : "null"; }
+
+bool is_dir(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+bool is_file(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+void make_dirs(const std::string& path) {
+  std::string partial;
+  std::stringstream ss(path);
+  std::string part;
+  if (!path.empty() && path[0] == '/') partial = "/";
+  while (std::getline(ss, part, '/')) {
+    if (part.empty()) continue;
+    partial += part + "/";
+    if (::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
+      throw std::runtime_error("cannot create directory " + partial + ": " + std::strerror(errno));
+    }
+  }
+}
+
+std::vector<std::string> list_dir(const std::string& path) {
+  std::vector<std::string> out;
+  DIR* d = ::opendir(path.c_str());
+  if (d == nullptr) return out;
+  while (const dirent* e = ::readdir(d)) {
+    const std::string name = e->d_name;
+    if (name != "." && name != "..") out.push_back(name);
+  }
+  ::closedir(d);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string parent_of(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  if (slash == std::string::npos) return ".";
+  return slash == 0 ? "/" : path.substr(0, slash);
+}
+
+std::string base_of(const std::string& path) { return path.substr(path.find_last_of('/') + 1); }
+
+std::string checkpoint_dir(const std::string& run_dir) { return run_dir + "/checkpoints"; }
+
+/// Checkpoints of a run directory, oldest step first.
+std::vector<std::pair<int64_t, std::string>> checkpoints_in(const std::string& run_dir) {
+  std::vector<std::pair<int64_t, std::string>> out;
+  for (const auto& name : list_dir(checkpoint_dir(run_dir))) {
+    long long step = 0;
+    char tail[8] = {0};
+    if (std::sscanf(name.c_str(), "step_%lld.%3s", &step, tail) == 2 && std::string(tail) == "pt") {
+      out.emplace_back(step, checkpoint_dir(run_dir) + "/" + name);
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void write_text_atomically(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp" + std::to_string(::getpid());
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << text;
+    out.flush();
+    if (!out.good()) throw std::runtime_error("cannot write " + tmp);
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    throw std::runtime_error("cannot rename " + tmp + " to " + path);
+  }
+}
+
+at::Tensor scalar(int64_t v) { return at::scalar_tensor(v, at::kLong); }
+at::Tensor scalar(double v) { return at::scalar_tensor(v, at::kDouble); }
+
+at::Device device_of(const Config& config, int local_rank) {
+  if (config.get_string("runtime.device") == "cuda") return at::Device(at::kCUDA, local_rank);
+  return at::Device(at::kCPU);
+}
+
+/// Cross-entropy in float32 (a float32 island), logits [N, C] or [N, T, V].
+at::Tensor loss_of(const at::Tensor& logits, const at::Tensor& targets,
+                   at::Reduction::Reduction reduction = at::Reduction::Mean) {
+  const amp::Float32Guard float32;
+  const at::Tensor flat = logits.to(at::kFloat).reshape({-1, logits.size(-1)});
+  return at::cross_entropy_loss(flat, targets.reshape({-1}), {}, reduction);
+}
+
+struct EvalResult {
+  double loss = 0.0;
+  double accuracy = 0.0;
+  int64_t count = 0;
+};
+
+/// Test loss and accuracy (next-token accuracy for token data) over the
+/// whole split, each rank taking a contiguous part; logits gathered into
+/// `logits_out` (single process) when given.
+EvalResult evaluate(ModelImpl& model, const Split& test, const Distributed& world,
+                    const amp::Policy& policy, c10::DeviceType device_type, int64_t batch,
+                    std::vector<at::Tensor>* logits_out = nullptr) {
+  const bool was_training = model.is_training();
+  model.eval();
+  at::NoGradGuard no_grad;
+  // Batch-norm statistics as rank 0 has them (the checkpoint's).
+  world.broadcast_(model.buffers());
+  const auto [begin, end] = eval_shard(test.size(), world.world_size(), world.rank());
+  const at::Tensor sums =
+      at::zeros({3}, at::TensorOptions().dtype(at::kDouble).device(test.inputs.device()));
+  for (int64_t i = begin; i < end; i += batch) {
+    const int64_t n = std::min(batch, end - i);
+    const at::Tensor x = test.inputs.narrow(0, i, n);
+    const at::Tensor y = test.targets.narrow(0, i, n);
+    at::Tensor logits;
+    {
+      const amp::AutocastGuard autocast(device_type, policy);
+      logits = model.forward(x);
+    }
+    const at::Tensor flat = logits.to(at::kFloat).reshape({-1, logits.size(-1)});
+    const at::Tensor targets = y.reshape({-1});
+    sums[0].add_(loss_of(logits, y, at::Reduction::Sum));
+    sums[1].add_(flat.argmax(1).eq(targets).sum());
+    sums[2].add_(targets.numel());
+    if (logits_out != nullptr) logits_out->push_back(logits.to(at::kFloat).cpu());
+  }
+  world.allreduce_sum_(sums);
+  const at::Tensor host = sums.cpu();
+  const double* s = host.const_data_ptr<double>();
+  if (was_training) model.train();
+  EvalResult r;
+  r.count = static_cast<int64_t>(s[2]);
+  r.loss = r.count ? s[0] / s[2] : 0.0;
+  r.accuracy = r.count ? s[1] / s[2] : 0.0;
+  return r;
+}
+
+std::string newest_run_dir(const std::string& name) {
+  std::string best;
+  for (const auto& entry : list_dir("runs")) {
+    if (entry.rfind(name + "-", 0) == 0 && is_dir("runs/" + entry)) best = "runs/" + entry;
+  }
+  return best;
+}
+
+std::string new_run_dir(const std::string& name) {
+  const std::time_t now = std::time(nullptr);
+  std::tm tm {};
+  ::localtime_r(&now, &tm);
+  char stamp[32];
+  std::strftime(stamp, sizeof(stamp), "%Y%m%d-%H%M%S", &tm);
+  const std::string base = "runs/" + (name.empty() ? std::string("run") : name) + "-" + stamp;
+  std::string dir = base;
+  for (int i = 2; is_dir(dir); ++i) dir = base + "-" + std::to_string(i);
+  return dir;
+}
+
+// ------------------------------------------------------------------ progress
+
+/// Rank 0's display: a self-updating bar on a terminal, plain lines otherwise.
+class Progress {
+ public:
+  explicit Progress(bool bar) : bar_(bar) {}
+  bool is_bar() const { return bar_; }
+
+  void bar(const std::string& text, bool force) {
+    if (!bar_) return;
+    const auto now = Clock::now();
+    if (!force && std::chrono::duration<double>(now - last_).count() < kBarRefreshSeconds) return;
+    last_ = now;
+    std::cout << "\r\033[K" << text << std::flush;
+    shown_ = true;
+  }
+
+  /// A permanent line (the bar, if shown, is erased first and redrawn later).
+  void line(const std::string& text) {
+    if (shown_) std::cout << "\r\033[K";
+    shown_ = false;
+    std::cout << text << "\n" << std::flush;
+  }
+
+ private:
+  bool bar_;
+  bool shown_ = false;
+  Clock::time_point last_{};
+};
+
+std::string bar_text(int64_t epoch, int64_t epochs, int64_t done, int64_t total, double loss,
+                     double rate, double eta) {
+  constexpr int kWidth = 24;
+  const int filled = total ? static_cast<int>(kWidth * done / total) : kWidth;
+  std::string bar(static_cast<size_t>(filled), '#');
+  bar.resize(kWidth, '.');
+  return format("epoch %ld/%ld [%s] %ld/%ld  loss %.4f  %.0f samples/s  eta %s",
+                static_cast<long>(epoch), static_cast<long>(epochs), bar.c_str(),
+                static_cast<long>(done), static_cast<long>(total), loss, rate,
+                duration_text(eta).c_str());
+}
+
+// ------------------------------------------------------------------ trainer
+
+class Trainer {
+ public:
+  Trainer(const Config& config, const RunPlan& plan, const Distributed& world)
+      : config_(config),
+        plan_(plan),
+        world_(world),
+        device_(device_of(config, world.local_rank())),
+        policy_(config.get_string("precision.policy")),
+        rank0_(world.rank() == 0) {}
+
+  int run();
+
+ private:
+  void build();
+  void restore(const std::string& path);
+  TensorDict snapshot();
+  void save_checkpoint(const std::string& reason);
+  double lr_at(int64_t step) const;
+  void reseed(int64_t step);
+  void train_step(int64_t step);
+  void clip_gradients();
+  void log_window(int64_t step);
+  void end_epoch(int64_t step);
+  void open_metrics();
+  void write_metrics(const std::string& json);
+  void say(const std::string& text) {
+    if (rank0_) progress_->line(text);
+  }
+
+  Config config_;
+  RunPlan plan_;
+  const Distributed& world_;
+  at::Device device_;
+  amp::Policy policy_;
+  bool rank0_;
+
+  Dataset data_;
+  Model model_;
+  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::unique_ptr<amp::GradScaler> scaler_;
+  std::unique_ptr<ParallelModel> parallel_;
+  std::unique_ptr<BatchSampler> sampler_;
+  std::unique_ptr<Progress> progress_;
+  std::ofstream metrics_;
+
+  int64_t step_ = 0;
+  int64_t start_step_ = 0;
+  int64_t total_steps_ = 0;
+  int64_t steps_per_epoch_ = 0;
+  int64_t skipped_before_ = 0;
+  std::vector<at::Tensor> trainable_;
+  // Device-side accumulators, read only at host synchronisation points.
+  at::Tensor window_loss_;
+  at::Tensor epoch_loss_;
+  at::Tensor skipped_;
+  int64_t window_steps_ = 0;
+  int64_t epoch_steps_ = 0;
+  double window_seconds_ = 0.0;
+  double epoch_seconds_ = 0.0;
+  Clock::time_point segment_start_;
+  Clock::time_point run_start_;
+  std::string last_checkpoint_;
+  EvalResult last_eval_;
+};
+
+void Trainer::build() {
+  const int64_t seed = config_.get_int("train.seed");
+  torch::manual_seed(static_cast<uint64_t>(seed));
+  data_ = load_dataset(config_, device_);
+  model_ = make_model(config_, data_);
+  model_->to(device_);
+  if (config_.get_bool("precision.master_weights")) {
+    cast_for_master_weights(model_, policy_.compute_dtype());
+  }
+
+  // Weight decay on weight matrices and kernels only: decaying biases and
+  // normalisation scales towards zero only hurts.
+  std::vector<at::Tensor> decay, no_decay;
+  for (const auto& p : model_->parameters()) {
+    if (!p.requires_grad()) continue;
+    trainable_.push_back(p);
+    (p.dim() >= 2 ? decay : no_decay).push_back(p);
+  }
+  const double lr = config_.get_float("optimizer.lr");
+  const double wd = config_.get_float("optimizer.weight_decay");
+  const bool master = config_.get_bool("precision.master_weights");
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  if (config_.get_string("optimizer.name") == "adamw") {
+    optim::FusedAdamWOptions o(lr);
+    o.betas({config_.get_float("optimizer.beta1"), config_.get_float("optimizer.beta2")})
+        .eps(config_.get_float("optimizer.eps"))
+        .weight_decay(wd)
+        .master_weights(master);
+    optim::FusedAdamWOptions o0 = o;
+    o0.weight_decay(0.0);
+    groups.emplace_back(decay, std::make_unique<optim::FusedAdamWOptions>(o));
+    groups.emplace_back(no_decay, std::make_unique<optim::FusedAdamWOptions>(o0));
+    optimizer_ = std::make_unique<optim::FusedAdamW>(std::move(groups), o);
+  } else {
+    optim::FusedSGDOptions o(lr);
+    o.momentum(config_.get_float("optimizer.momentum"))
+        .nesterov(config_.get_bool("optimizer.nesterov"))
+        .weight_decay(wd)
+        .master_weights(master);
+    if (o.nesterov() && o.momentum() <= 0) {
+      throw config_.error("optimizer.nesterov", "needs optimizer.momentum > 0");
+    }
+    optim::FusedSGDOptions o0 = o;
+    o0.weight_decay(0.0);
+    groups.emplace_back(decay, std::make_unique<optim::FusedSGDOptions>(o));
+    groups.emplace_back(no_decay, std::make_unique<optim::FusedSGDOptions>(o0));
+    optimizer_ = std::make_unique<optim::FusedSGD>(std::move(groups), o);
+  }
+
+  // Loss scaling only for float16: bfloat16 has float32's exponent range.
+  amp::GradScalerOptions so;
+  so.enabled(policy_.compute_dtype() == at::kHalf)
+      .init_scale(config_.get_float("precision.init_scale"))
+      .growth_interval(config_.get_int("precision.growth_interval"));
+  scaler_ = std::make_unique<amp::GradScaler>(device_.type(), so);
+
+  const int64_t batch = config_.get_int("data.batch_size");
+  steps_per_epoch_ = data_.train.size() / batch;
+  if (steps_per_epoch_ == 0) {
+    throw config_.error("data.batch_size", "is larger than the " + std::to_string(data_.train.size()) +
+                                               " training samples");
+  }
+  const int64_t max_steps = config_.get_int("train.max_steps");
+  total_steps_ = max_steps > 0 ? max_steps : config_.get_int("train.epochs") * steps_per_epoch_;
+  sampler_ = std::make_unique<BatchSampler>(
+      data_.train.size(), batch, world_.world_size(), world_.rank(),
+      config_.get_int("train.grad_accum"), static_cast<uint64_t>(config_.get_int("data.seed")));
+
+  const auto acc = at::TensorOptions().dtype(at::kFloat).device(device_);
+  window_loss_ = at::zeros({1}, acc);
+  epoch_loss_ = at::zeros({1}, acc);
+  skipped_ = at::zeros({1}, acc);
+}
+
+// ------------------------------------------------------------------ checkpoints
+
+TensorDict Trainer::snapshot() {
+  TensorDict d;
+  d.emplace_back("meta.format", scalar(kFormatVersion));
+  d.emplace_back("config.yaml", text_tensor(config_.to_yaml()));
+  d.emplace_back("config.name", text_tensor(config_.name()));
+  d.emplace_back("trainer.step", scalar(step_));
+  d.emplace_back("trainer.epoch", scalar(step_ / steps_per_epoch_));
+  d.emplace_back("trainer.step_in_epoch", scalar(step_ % steps_per_epoch_));
+  d.emplace_back("trainer.steps_per_epoch", scalar(steps_per_epoch_));
+  d.emplace_back("trainer.batch_size", scalar(config_.get_int("data.batch_size")));
+  d.emplace_back("trainer.world_size", scalar(static_cast<int64_t>(world_.world_size())));
+  d.emplace_back("trainer.skipped",
+                 scalar(skipped_before_ + static_cast<int64_t>(skipped_.item<float>())));
+  d.emplace_back("data.mean", scalar(data_.mean));
+  d.emplace_back("data.std", scalar(data_.std));
+  d.emplace_back("rng.seed", scalar(config_.get_int("train.seed")));
+  d.emplace_back("rng.cpu_state", at::detail::getDefaultCPUGenerator().get_state());
+  for (const auto& p : model_->named_parameters()) d.emplace_back("model." + p.key(), p.value());
+  for (const auto& b : model_->named_buffers()) d.emplace_back("model." + b.key(), b.value());
+
+  const bool adamw = config_.get_string("optimizer.name") == "adamw";
+  d.emplace_back("optim.name", text_tensor(config_.get_string("optimizer.name")));
+  auto& state = optimizer_->state();
+  for (const auto& p : model_->named_parameters()) {
+    const auto it = state.find(p.value().unsafeGetTensorImpl());
+    if (it == state.end()) continue;
+    const std::string k = "optim." + p.key() + ".";
+    auto put = [&](const char* field, const at::Tensor& t) {
+      if (t.defined()) d.emplace_back(k + field, t);
+    };
+    if (adamw) {
+      const auto& s = static_cast<const optim::FusedAdamWParamState&>(*it->second);
+      put("step", s.step());
+      put("exp_avg", s.exp_avg());
+      put("exp_avg_sq", s.exp_avg_sq());
+      put("max_exp_avg_sq", s.max_exp_avg_sq());
+      put("master_param", s.master_param());
+    } else {
+      const auto& s = static_cast<const optim::FusedSGDParamState&>(*it->second);
+      put("momentum_buffer", s.momentum_buffer());
+      put("master_param", s.master_param());
+    }
+  }
+  for (const auto& item : scaler_->state_dict()) {
+    const c10::IValue& v = item.value();
+    d.emplace_back("scaler." + item.key().toStringRef(),
+                   v.isInt() ? scalar(v.toInt()) : scalar(v.toDouble()));
+  }
+  return d;
+}
+
+void Trainer::save_checkpoint(const std::string& reason) {
+  if (!rank0_) return;
+  const auto t0 = Clock::now();
+  make_dirs(checkpoint_dir(plan_.run_dir));
+  const std::string path =
+      checkpoint_dir(plan_.run_dir) + "/" + format("step_%08ld.pt", static_cast<long>(step_));
+  write_checkpoint(path, snapshot());
+  last_checkpoint_ = path;
+  // Keep the newest keep_checkpoints files; the one just written is among them.
+  auto all = checkpoints_in(plan_.run_dir);
+  const auto keep = static_cast<size_t>(config_.get_int("output.keep_checkpoints"));
+  for (size_t i = 0; i + keep < all.size(); ++i) std::remove(all[i].second.c_str());
+  if (reason != "quiet") {
+    say(format("checkpoint %s (%s, %.1f s)", path.c_str(), reason.c_str(),
+               std::chrono::duration<double>(Clock::now() - t0).count()));
+  }
+}
+
+void Trainer::restore(const std::string& path) {
+  const TensorDict ckpt = read_checkpoint(path);
+  auto entry = [&](const std::string& k) -> const at::Tensor& {
+    return checkpoint_entry(ckpt, k, path);
+  };
+  if (entry("meta.format").item<int64_t>() != kFormatVersion) {
+    throw CheckpointError("checkpoint " + path + " has format " +
+                          std::to_string(entry("meta.format").item<int64_t>()) + "; this build reads " +
+                          std::to_string(kFormatVersion));
+  }
+  at::NoGradGuard no_grad;
+  // Model: every parameter and buffer, with its shape; nothing extra.
+  size_t model_entries = 0;
+  for (const auto& item : ckpt) model_entries += item.first.rfind("model.", 0) == 0;
+  size_t expected = 0;
+  auto load = [&](const std::string& name, at::Tensor target) {
+    ++expected;
+    const std::string k = "model." + name;
+    if (!has_entry(ckpt, k)) {
+      throw CheckpointError("checkpoint " + path + " does not fit the configured model: it has no " +
+                            name + " (was it written with other model.* settings?)");
+    }
+    const at::Tensor& t = entry(k);
+    if (t.sizes() != target.sizes()) {
+      std::ostringstream msg;
+      msg << "checkpoint " << path << " does not fit the configured model: " << name
+          << " has shape " << t.sizes() << " there and " << target.sizes()
+          << " here (was it written with other model.* settings?)";
+      throw CheckpointError(msg.str());
+    }
+    target.copy_(t);
+  };
+  for (const auto& p : model_->named_parameters()) load(p.key(), p.value());
+  for (const auto& b : model_->named_buffers()) load(b.key(), b.value());
+  if (model_entries != expected) {
+    throw CheckpointError("checkpoint " + path + " holds " + std::to_string(model_entries) +
+                          " model tensors but the configured model has " + std::to_string(expected) +
+                          " (was it written with other model.* settings?)");
+  }
+
+  const std::string name = tensor_text(entry("optim.name"));
+  if (name != config_.get_string("optimizer.name")) {
+    throw config_.error("optimizer.name", "the checkpoint " + path + " was written with optimizer.name=" +
+                                              name + "; its state cannot be resumed by another optimizer");
+  }
+  auto own = [&](const at::Tensor& t) { return t.to(device_, /*non_blocking=*/false, /*copy=*/true); };
+  auto field = [&](const std::string& k) { return has_entry(ckpt, k) ? own(entry(k)) : at::Tensor(); };
+  auto& state = optimizer_->state();
+  for (const auto& p : model_->named_parameters()) {
+    const std::string k = "optim." + p.key() + ".";
+    if (name == "adamw") {
+      if (!has_entry(ckpt, k + "exp_avg")) continue;
+      auto s = std::make_unique<optim::FusedAdamWParamState>();
+      s->step(field(k + "step"));
+      s->exp_avg(field(k + "exp_avg"));
+      s->exp_avg_sq(field(k + "exp_avg_sq"));
+      s->max_exp_avg_sq(field(k + "max_exp_avg_sq"));
+      s->master_param(field(k + "master_param"));
+      state[p.value().unsafeGetTensorImpl()] = std::move(s);
+    } else {
+      if (!has_entry(ckpt, k + "momentum_buffer") && !has_entry(ckpt, k + "master_param")) continue;
+      auto s = std::make_unique<optim::FusedSGDParamState>();
+      s->momentum_buffer(field(k + "momentum_buffer"));
+      s->master_param(field(k + "master_param"));
+      state[p.value().unsafeGetTensorImpl()] = std::move(s);
+    }
+  }
+
+  if (scaler_->is_enabled() && has_entry(ckpt, "scaler.scale")) {
+    c10::impl::GenericDict sd(c10::StringType::get(), c10::AnyType::get());
+    for (const auto& [k, t] : ckpt) {
+      if (k.rfind("scaler.", 0) != 0) continue;
+      const std::string key = k.substr(7);
+      if (t.scalar_type() == at::kLong) {
+        sd.insert(key, c10::IValue(t.item<int64_t>()));
+      } else {
+        sd.insert(key, c10::IValue(t.item<double>()));
+      }
+    }
+    scaler_->load_state_dict(sd);
+  }
+
+  step_ = entry("trainer.step").item<int64_t>();
+  skipped_before_ = entry("trainer.skipped").item<int64_t>();
+  if (entry("trainer.batch_size").item<int64_t>() != config_.get_int("data.batch_size")) {
+    say("warning: the checkpoint was written with data.batch_size=" +
+        std::to_string(entry("trainer.batch_size").item<int64_t>()) +
+        "; with another batch size the data order differs from the original run's");
+  }
+  at::Generator cpu_gen = at::detail::getDefaultCPUGenerator();
+  cpu_gen.set_state(entry("rng.cpu_state"));
+}
+
+// ------------------------------------------------------------------ the step
+
+double Trainer::lr_at(int64_t step) const {
+  const double peak = config_.get_float("optimizer.lr");
+  const int64_t warmup = config_.get_int("schedule.warmup_steps");
+  if (step < warmup) return peak * static_cast<double>(step + 1) / static_cast<double>(warmup);
+  if (config_.get_string("schedule.decay") == "none") return peak;
+  const double min_ratio = config_.get_float("schedule.min_lr_ratio");
+  const double progress = static_cast<double>(step - warmup) /
+                          static_cast<double>(std::max<int64_t>(1, total_steps_ - warmup));
+  const double pi = std::acos(-1.0);
+  return peak * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + std::cos(pi * std::min(1.0, progress))));
+}
+
+void Trainer::reseed(int64_t step) {
+  // See Note [Bitwise resumption]: one stream per (seed, rank, step).
+  const uint64_t seed = mix_seed(mix_seed(static_cast<uint64_t>(config_.get_int("train.seed"))) ^
+                                 mix_seed(static_cast<uint64_t>(world_.rank()) << 40 ^
+                                          static_cast<uint64_t>(step)));
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_current_seed(seed);
+  }
+  if (device_.is_cuda()) {
+    at::Generator gen = at::globalContext().defaultGenerator(device_);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_current_seed(seed);
+  }
+}
+
+void Trainer::clip_gradients() {
+  // The norm is of the true gradients: unscale first when scaling.
+  if (scaler_->is_enabled()) scaler_->unscale_(*optimizer_);
+  std::vector<at::Tensor> grads;
+  for (const auto& p : trainable_) {
+    if (p.grad().defined()) grads.push_back(p.grad());
+  }
+  if (grads.empty()) return;
+  const at::Tensor norm = std::get<0>(ops::multi_tensor_l2norm(grads));
+  // No host sync: the coefficient stays on the device. An inf norm gives 0,
+  // and a scaled step with inf gradients is skipped anyway.
+  const at::Tensor coef = (config_.get_float("train.clip_grad_norm") / (norm + 1e-6)).clamp_max(1.0);
+  for (auto& g : grads) g.mul_(coef);
+}
+
+void Trainer::train_step(int64_t step) {
+  const int64_t epoch = step / steps_per_epoch_;
+  const int64_t in_epoch = step % steps_per_epoch_;
+  const double lr = lr_at(step);
+  for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
+  reseed(step);
+  optimizer_->zero_grad(/*set_to_none=*/true);
+  const int64_t accum = config_.get_int("train.grad_accum");
+  for (int64_t m = 0; m < accum; ++m) {
+    const at::Tensor idx = sampler_->indices(epoch, in_epoch, m).to(device_);
+    const at::Tensor x = data_.train.inputs.index_select(0, idx);
+    const at::Tensor y = data_.train.targets.index_select(0, idx);
+    // Gradients are averaged across ranks on the last micro-batch only.
+    const std::shared_ptr<void> local_only = m + 1 < accum ? parallel_->no_sync() : nullptr;
+    at::Tensor logits;
+    {
+      const amp::AutocastGuard autocast(device_.type(), policy_);
+      logits = parallel_->forward(x);
+    }
+    const at::Tensor loss = loss_of(logits, y);
+    const at::Tensor scaled = scaler_->scale(accum > 1 ? loss / static_cast<double>(accum) : loss);
+    scaled.backward();
+    const at::Tensor l = loss.detach().reshape({1});
+    window_loss_.add_(l, 1.0 / static_cast<double>(accum));
+    epoch_loss_.add_(l, 1.0 / static_cast<double>(accum));
+  }
+  if (config_.get_float("train.clip_grad_norm") > 0) clip_gradients();
+  scaler_->step(*optimizer_);
+  if (scaler_->is_enabled()) skipped_.add_(scaler_->found_inf().ne(0).reshape({1}));
+  scaler_->update();
+}
+
+// ------------------------------------------------------------------ metrics
+
+void Trainer::open_metrics() {
+  if (!rank0_) return;
+  const std::string path = plan_.run_dir + "/metrics.jsonl";
+  // Resuming: drop the records past the checkpoint, which the resumed run
+  // writes again.
+  std::string kept;
+  if (start_step_ > 0 && is_file(path)) {
+    std::ifstream in(path);
+    std::string line;
+    while (std::getline(in, line)) {
+      long long s = -1;
+      const auto pos = line.find("\"step\":");
+      if (pos != std::string::npos) s = std::atoll(line.c_str() + pos + 7);
+      if (s >= 0 && s <= start_step_) kept += line + "\n";
+    }
+  }
+  write_text_atomically(path, kept);
+  metrics_.open(path, std::ios::app);
+}
+
+void Trainer::write_metrics(const std::string& json) {
+  if (!rank0_) return;
+  metrics_ << json << "\n";
+  metrics_.flush();
+}
+
+void Trainer::log_window(int64_t step) {
+  const at::Tensor sum = window_loss_.clone();
+  world_.allreduce_sum_(sum);
+  const double loss = sum.item<double>() / static_cast<double>(window_steps_ * world_.world_size());
+  const double rate = static_cast<double>(window_steps_ * config_.get_int("data.batch_size")) /
+                      std::max(1e-9, window_seconds_);
+  const double lr = lr_at(step - 1);
+  const double scale = scaler_->get_scale();
+  const int64_t skipped = skipped_before_ + static_cast<int64_t>(skipped_.item<float>());
+  const int64_t epoch = (step - 1) / steps_per_epoch_ + 1;
+  write_metrics(format("{\"kind\": \"train\", \"step\": %ld, \"epoch\": %ld, \"loss\": %s, "
+                       "\"lr\": %s, \"scale\": %s, \"skipped\": %ld, \"samples_per_s\": %s, "
+                       "\"accuracy\": null, \"time_s\": %s}",
+                       static_cast<long>(step), static_cast<long>(epoch), json_number(loss).c_str(),
+                       json_number(lr).c_str(), json_number(scale).c_str(),
+                       static_cast<long>(skipped), json_number(rate).c_str(),
+                       json_number(std::chrono::duration<double>(Clock::now() - run_start_).count())
+                           .c_str()));
+  if (rank0_ && !progress_->is_bar()) {
+    say(format("  step %ld/%ld  loss %.4f  lr %.3g  %.0f samples/s", static_cast<long>(step),
+               static_cast<long>(total_steps_), loss, lr, rate));
+  }
+  window_loss_.zero_();
+  window_steps_ = 0;
+  window_seconds_ = 0.0;
+}
+
+void Trainer::end_epoch(int64_t step) {
+  const at::Tensor sum = epoch_loss_.clone();
+  world_.allreduce_sum_(sum);
+  const double loss = sum.item<double>() / static_cast<double>(std::max<int64_t>(1, epoch_steps_) * world_.world_size());
+  const double rate = static_cast<double>(epoch_steps_ * config_.get_int("data.batch_size")) /
+                      std::max(1e-9, epoch_seconds_);
+  last_eval_ = evaluate(*model_, data_.test, world_, policy_, device_.type(),
+                        config_.get_int("data.eval_batch_size"));
+  const int64_t epoch = (step - 1) / steps_per_epoch_ + 1;
+  const int64_t epochs = (total_steps_ + steps_per_epoch_ - 1) / steps_per_epoch_;
+  const double lr = lr_at(step - 1);
+  const double scale = scaler_->get_scale();
+  const int64_t skipped = skipped_before_ + static_cast<int64_t>(skipped_.item<float>());
+  say(format("epoch %ld/%ld  loss %.4f  test loss %.4f  accuracy %.2f%%  %.0f samples/s  lr %.2e  "
+             "scale %g  skipped %ld  (%s)",
+             static_cast<long>(epoch), static_cast<long>(epochs), loss, last_eval_.loss,
+             100.0 * last_eval_.accuracy, rate, lr, scale, static_cast<long>(skipped),
+             duration_text(epoch_seconds_).c_str()));
+  write_metrics(format("{\"kind\": \"eval\", \"step\": %ld, \"epoch\": %ld, \"loss\": %s, "
+                       "\"lr\": %s, \"scale\": %s, \"skipped\": %ld, \"samples_per_s\": %s, "
+                       "\"accuracy\": %s, \"test_loss\": %s, \"time_s\": %s}",
+                       static_cast<long>(step), static_cast<long>(epoch), json_number(loss).c_str(),
+                       json_number(lr).c_str(), json_number(scale).c_str(),
+                       static_cast<long>(skipped), json_number(rate).c_str(),
+                       json_number(last_eval_.accuracy).c_str(),
+                       json_number(last_eval_.loss).c_str(),
+                       json_number(std::chrono::duration<double>(Clock::now() - run_start_).count())
+                           .c_str()));
+  epoch_loss_.zero_();
+  epoch_steps_ = 0;
+  epoch_seconds_ = 0.0;
+}
+
+// ------------------------------------------------------------------ run
+
+int Trainer::run() {
+  run_start_ = Clock::now();
+  install_stop_handlers();
+  const std::string& mode = config_.get_string("output.progress");
+  progress_ = std::make_unique<Progress>(mode == "bar" || (mode == "auto" && ::isatty(STDOUT_FILENO)));
+  build();
+  if (!plan_.checkpoint.empty()) restore(plan_.checkpoint);
+  start_step_ = step_;
+  if (rank0_) {
+    prepare_run_dir(config_, plan_);
+    open_metrics();
+  }
+  dist::DDPOptions ddp;
+  parallel_ = std::make_unique<ParallelModel>(model_, world_, ddp);
+
+  const int64_t batch = config_.get_int("data.batch_size");
+  const int64_t epochs = (total_steps_ + steps_per_epoch_ - 1) / steps_per_epoch_;
+  say(format("fusetrain train: %s -> %s", config_.name().empty() ? "config" : config_.name().c_str(),
+             plan_.run_dir.c_str()));
+  say(format("  model %s (%ld parameters), %s: %ld train / %ld test samples",
+             config_.get_string("model.name").c_str(), static_cast<long>(count_parameters(model_)),
+             data_.description.c_str(), static_cast<long>(data_.train.size()),
+             static_cast<long>(data_.test.size())));
+  say(format("  %d rank%s on %s (%s), %d intra-op thread%s each; %s, %s, batch %ld (%ld per rank%s), "
+             "%ld epoch%s = %ld steps",
+             world_.world_size(), world_.world_size() == 1 ? "" : "s", device_.str().c_str(),
+             world_.is_distributed() ? (device_.is_cuda() ? "nccl" : "gloo") : "no group",
+             at::get_num_threads(), at::get_num_threads() == 1 ? "" : "s", policy_.name().c_str(),
+             config_.get_string("optimizer.name").c_str(), static_cast<long>(batch),
+             static_cast<long>(batch / world_.world_size()),
+             config_.get_int("train.grad_accum") > 1
+                 ? format(", %ld micro-batches", static_cast<long>(config_.get_int("train.grad_accum"))).c_str()
+                 : "",
+             static_cast<long>(epochs), epochs == 1 ? "" : "s", static_cast<long>(total_steps_)));
+  if (start_step_ > 0) {
+    say(format("  resumed from %s at step %ld (epoch %ld, batch %ld)", plan_.checkpoint.c_str(),
+               static_cast<long>(start_step_), static_cast<long>(start_step_ / steps_per_epoch_ + 1),
+               static_cast<long>(start_step_ % steps_per_epoch_)));
+  }
+
+  if (step_ >= total_steps_) {
+    say(format("the checkpoint is at step %ld, the end of this run (%ld steps): nothing to train",
+               static_cast<long>(step_), static_cast<long>(total_steps_)));
+    return 0;
+  }
+  const int64_t k = config_.get_int("train.steps_per_execution");
+  const int64_t log_every = config_.get_int("train.log_every");
+  const int64_t ckpt_every = config_.get_int("output.checkpoint_every");
+  int64_t last_log = step_, last_ckpt = step_;
+  segment_start_ = Clock::now();
+  const at::Tensor stop_flag = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  while (step_ < total_steps_) {
+    train_step(step_);
+    ++step_;
+    ++window_steps_;
+    ++epoch_steps_;
+    const bool epoch_end = step_ % steps_per_epoch_ == 0 || step_ == total_steps_;
+    // Host synchronisation points: every K steps and at epoch ends. All
+    // decisions that involve collectives depend on the step alone, so every
+    // rank takes them at the same point.
+    if (step_ % k != 0 && !epoch_end) continue;
+    if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
+    const auto now = Clock::now();
+    const double elapsed = std::chrono::duration<double>(now - segment_start_).count();
+    window_seconds_ += elapsed;
+    epoch_seconds_ += elapsed;
+
+    stop_flag.fill_(stop_requested() ? 1.0 : 0.0);
+    world_.allreduce_max_(stop_flag);
+    const bool stop = stop_flag.item<float>() > 0;
+
+    if (rank0_ && progress_->is_bar()) {
+      const int64_t in_epoch = (step_ - 1) % steps_per_epoch_ + 1;
+      const double rate = static_cast<double>(epoch_steps_ * batch) / std::max(1e-9, epoch_seconds_);
+      const double eta = static_cast<double>((steps_per_epoch_ - in_epoch) * batch) / std::max(1.0, rate);
+      progress_->bar(bar_text((step_ - 1) / steps_per_epoch_ + 1, epochs, in_epoch, steps_per_epoch_,
+                              epoch_loss_.item<float>() / static_cast<double>(std::max<int64_t>(1, epoch_steps_)),
+                              rate, eta),
+                     epoch_end);
+    }
+    if (step_ / log_every > last_log / log_every || step_ == total_steps_) {
+      log_window(step_);
+      last_log = step_;
+    }
+    if (epoch_end && !stop) end_epoch(step_);
+    if (stop) {
+      save_checkpoint("interrupted");
+      say(format("interrupted at step %ld: continue with  fusetrain train --resume %s",
+                 static_cast<long>(step_), last_checkpoint_.c_str()));
+      world_.barrier();
+      return 130;
+    }
+    if (ckpt_every > 0 && step_ / ckpt_every > last_ckpt / ckpt_every && step_ < total_steps_) {
+      save_checkpoint("every " + std::to_string(ckpt_every) + " steps");
+      last_ckpt = step_;
+    }
+    segment_start_ = Clock::now();
+  }
+  save_checkpoint("final");
+  say(format("done: %ld steps in %s; test accuracy %.2f%%, test loss %.4f; checkpoint %s",
+             static_cast<long>(total_steps_ - start_step_),
+             duration_text(std::chrono::duration<double>(Clock::now() - run_start_).count()).c_str(),
+             100.0 * last_eval_.accuracy, last_eval_.loss, last_checkpoint_.c_str()));
+  world_.barrier();
+  return 0;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ public
+
+RunPlan plan_run(Config& config, const std::string& resume) {
+  RunPlan plan;
+  std::string run_dir = config.get_string("output.run_dir");
+  if (resume == "auto") {
+    if (run_dir.empty()) run_dir = newest_run_dir(config.name().empty() ? "run" : config.name());
+    if (!run_dir.empty()) {
+      const auto found = checkpoints_in(run_dir);
+      if (!found.empty()) plan.checkpoint = found.back().second;
+    }
+  } else if (!resume.empty()) {
+    if (!is_file(resume)) {
+      throw UsageError("--resume " + resume + ": no such checkpoint file (--resume auto picks the "
+                       "newest checkpoint of the newest run)");
+    }
+    plan.checkpoint = resume;
+    if (run_dir.empty() && base_of(parent_of(resume)) == "checkpoints") {
+      run_dir = parent_of(parent_of(resume));
+    }
+  }
+  if (run_dir.empty()) run_dir = new_run_dir(config.name());
+  config.set("output.run_dir", run_dir, "resolved");
+  plan.run_dir = run_dir;
+  if (!plan.checkpoint.empty()) read_checkpoint(plan.checkpoint);
+  return plan;
+}
+
+Config config_from_checkpoint(const std::string& path) {
+  const TensorDict ckpt = read_checkpoint(path);
+  Config config = Config::from_yaml(tensor_text(checkpoint_entry(ckpt, "config.yaml", path)),
+                                    path + " (its stored config)");
+  config.set_name(tensor_text(checkpoint_entry(ckpt, "config.name", path)));
+  return config;
+}
+
+void check_before_start(const Config& config, int world_size, int local_world_size) {
+  const int64_t batch = config.get_int("data.batch_size");
+  const int64_t accum = config.get_int("train.grad_accum");
+  if (batch % (world_size * accum) != 0) {
+    throw config.error("data.batch_size",
+                       "must be divisible by the world size " + std::to_string(world_size) +
+                           (accum > 1 ? " x train.grad_accum " + std::to_string(accum) : "") +
+                           " (each rank takes an equal share of every global batch)");
+  }
+  const bool cuda = config.get_string("runtime.device") == "cuda";
+  if (cuda) {
+    if (!torch::cuda::is_available()) {
+      throw config.error("runtime.device", "no CUDA device is visible to this process "
+                                           "(fusetrain info lists the devices); use --device cpu");
+    }
+    const int gpus = static_cast<int>(torch::cuda::device_count());
+    if (local_world_size > gpus) {
+      throw config.error("runtime.nproc", std::to_string(local_world_size) +
+                                              " processes on this host need as many GPUs, and " +
+                                              std::to_string(gpus) + " are visible (NCCL takes one GPU per rank)");
+    }
+  }
+  const amp::Policy policy(config.get_string("precision.policy"));
+  const c10::DeviceType type = cuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU;
+  if (policy.is_mixed()) {
+    const auto dtypes = amp::autocast_dtypes(type);
+    if (std::find(dtypes.begin(), dtypes.end(), policy.compute_dtype()) == dtypes.end()) {
+      std::string have;
+      for (auto d : dtypes) have += std::string(have.empty() ? "" : ", ") + c10::toString(d);
+      throw config.error("precision.policy", std::string(c10::DeviceTypeName(type, true)) +
+                                                 " here cannot compute in " + c10::toString(policy.compute_dtype()) +
+                                                 " (it autocasts to: " + (have.empty() ? "nothing" : have) +
+                                                 "); use float32 or another mixed policy");
+    }
+  } else if (config.get_bool("precision.master_weights")) {
+    throw config.error("precision.master_weights",
+                       "needs a mixed policy (precision.policy=mixed_float16 or mixed_bfloat16)");
+  }
+  const std::string& model = config.get_string("model.name");
+  const std::string& data = config.get_string("data.name");
+  const bool tokens = data == "text" || data == "synthetic_tokens";
+  if ((model == "gpt") != tokens) {
+    throw config.error("model.name", model == "gpt"
+                                         ? "gpt trains on tokens: set data.name=text or synthetic_tokens"
+                                         : model + " trains on images: set data.name=fashion_mnist or synthetic_images");
+  }
+  check_data_available(config);
+}
+
+void prepare_run_dir(const Config& config, const RunPlan& plan) {
+  make_dirs(checkpoint_dir(plan.run_dir));
+  write_text_atomically(plan.run_dir + "/config.yaml",
+                        "# fusetrain train: the resolved configuration of this run\n" + config.to_yaml());
+}
+
+int threads_for(const Config& config, int local_world_size) {
+  const int64_t t = config.get_int("runtime.threads");
+  if (t > 0) return static_cast<int>(t);
+  return std::max(1, available_cores() / std::max(1, local_world_size));
+}
+
+int run_training(const Config& config, const RunPlan& plan, const Distributed& world) {
+  Trainer trainer(config, plan, world);
+  return trainer.run();
+}
+
+int run_eval(const std::string& checkpoint, const std::vector<std::string>& overrides,
+             const std::string& predictions_path) {
+  Config config = config_from_checkpoint(checkpoint);
+  for (const auto& o : overrides) config.apply_override(o);
+  check_before_start(config, 1, 1);
+  const at::Device device = device_of(config, 0);
+  const amp::Policy policy(config.get_string("precision.policy"));
+  const Dataset data = load_dataset(config, device);
+  Model model = make_model(config, data);
+  model->to(device);
+  const TensorDict ckpt = read_checkpoint(checkpoint);
+  {
+    at::NoGradGuard no_grad;
+    for (const auto& p : model->named_parameters()) {
+      p.value().copy_(checkpoint_entry(ckpt, "model." + p.key(), checkpoint));
+    }
+    for (const auto& b : model->named_buffers()) {
+      b.value().copy_(checkpoint_entry(ckpt, "model." + b.key(), checkpoint));
+    }
+  }
+  std::vector<at::Tensor> logits;
+  const auto t0 = Clock::now();
+  const EvalResult r = evaluate(*model, data.test, Distributed(), policy, device.type(),
+                                config.get_int("data.eval_batch_size"),
+                                predictions_path.empty() ? nullptr : &logits);
+  std::cout << format("%s (step %ld): test loss %.4f  accuracy %.2f%%  (%ld %s, %s, %s)\n",
+                      checkpoint.c_str(),
+                      static_cast<long>(checkpoint_entry(ckpt, "trainer.step", checkpoint).item<int64_t>()),
+                      r.loss, 100.0 * r.accuracy, static_cast<long>(r.count),
+                      data.is_tokens ? "tokens" : "samples", policy.name().c_str(),
+                      duration_text(std::chrono::duration<double>(Clock::now() - t0).count()).c_str());
+  if (!predictions_path.empty()) {
+    write_checkpoint(predictions_path, {{"logits", at::cat(logits)}, {"targets", data.test.targets.cpu()}});
+    std::cout << "predictions: " << predictions_path << "\n";
+  }
+  return 0;
+}
+
+}  // namespace fusetrain::trainer
