@@ -208,8 +208,8 @@ def main(argv=None) -> int:
         g = groups.setdefault(k.split(".")[0], [0, 0])
         g[0] += 1
         g[1] += v.numel() * v.element_size()
-    print(f"{args.path}: step {int(ckpt['trainer.step'])} (epoch {int(ckpt['trainer.epoch'])}, "
-          f"batch {int(ckpt['trainer.step_in_epoch'])} of {int(ckpt['trainer.steps_per_epoch'])}), "
+    print(f"{args.path}: step {int(ckpt['trainer.step'])} ({int(ckpt['trainer.epoch'])} epochs + "
+          f"{int(ckpt['trainer.step_in_epoch'])} of {int(ckpt['trainer.steps_per_epoch'])} steps), "
           f"{config['model']['name']} on {config['data']['name']}, {config['precision']['policy']}")
     for name, (count, nbytes) in groups.items():
         print(f"  {name + '.*':<10} {count:4d} tensors  {nbytes / 1024:10.1f} KiB")
