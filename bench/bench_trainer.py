@@ -45,9 +45,9 @@ from common import Context, result  # noqa: E402
 
 NAME = "trainer"
 
-BIN = ROOT / "build" / "fusetrain"
+BIN = Path(os.environ.get("FUSETRAIN_BUILD_DIR", ROOT / "build")) / "fusetrain"
 DEFAULT_CONFIG = ROOT / "configs" / "fashion_mnist.yaml"
-FASHION = Path("/usr/share/datasets/fashion-mnist")
+FASHION = Path(os.environ.get("FUSETRAIN_FASHION_MNIST", "/usr/share/datasets/fashion-mnist"))
 SPEED_GOAL = 1.0  # issue 5: the trainer at least as fast as the Python loop
 ACCURACY_POINTS = 0.5  # issue 5: bf16 within 0.5 points of fp32
 
@@ -74,7 +74,8 @@ def fashion_train(n: int):
     return x, labels[:n].contiguous()
 
 
-def trainer_rate(policy: str, steps: int, samples: int, threads: int, window: int, workdir: Path) -> float:
+def trainer_rate(policy: str, steps: int, samples: int, threads: int, window: int, workdir: Path,
+                 extra=()) -> float:
     run_dir = workdir / f"trainer-{policy}-{time.monotonic_ns()}"
     cmd = [str(BIN), "train", "--config", str(DEFAULT_CONFIG), "--nproc", "1", "--threads", str(threads),
            "--precision", policy, "--run-dir", str(run_dir), "--set", f"data.train_samples={samples}",
@@ -82,7 +83,7 @@ def trainer_rate(policy: str, steps: int, samples: int, threads: int, window: in
            "--set", f"train.log_every={window}", "--set", f"schedule.warmup_steps={WARMUP}",
            "--set", f"optimizer.lr={LR}", "--set", f"optimizer.weight_decay={WEIGHT_DECAY}",
            "--set", f"data.batch_size={BATCH}", "--set", "output.checkpoint_every=0",
-           "--set", "output.progress=lines"]
+           "--set", "output.progress=lines", "--set", f"data.path={FASHION}", *extra]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if p.returncode != 0:
@@ -158,6 +159,28 @@ def throughput_rows(ctx: Context) -> list:
     return rows
 
 
+def cuda_graph_rows(ctx: Context) -> list:
+    """The trainer on one GPU: 16 steps per CUDA graph against eager steps
+    (steps_per_execution 1), same run otherwise. A small CNN at batch 128 is
+    launch-bound on an H200: what step fusion is for."""
+    steps, window, k = (320, 64, 16) if ctx.quick else (960, 64, 16)
+    samples = min(60000, BATCH * steps)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_trainer_cuda_") as tmp:
+        for policy in ("float32", "mixed_bfloat16"):
+            cuda = ["--device", "cuda", "--set", "runtime.nproc=1"]
+            eager = trainer_rate(policy, steps, samples, ctx.threads, window, Path(tmp), cuda)
+            fused = trainer_rate(policy, steps, samples, ctx.threads, window, Path(tmp),
+                                 [*cuda, "--steps-per-execution", str(k)])
+            rows.append(result(
+                f"trainer CUDA graphs K={k} vs eager, cnn {policy}", ours=fused, torch_=eager,
+                unit="samples/s", higher_is_better=True,
+                notes=(f"fusetrain train on {torch.cuda.get_device_name(0)}, Fashion-MNIST cnn 16/32/128, "
+                       f"batch {BATCH}, {steps} steps, median of {window}-step windows; baseline = the "
+                       "same trainer with --steps-per-execution 1")))
+    return rows
+
+
 def accuracy_rows(workdir: Path) -> list:
     """The default run in mixed_bfloat16 and float32, same seed."""
     out = {}
@@ -200,8 +223,7 @@ def run(ctx: Context) -> list:
         print("  trainer: Fashion-MNIST is missing (apt-get install dataset-fashion-mnist)", file=sys.stderr)
         return []
     if ctx.is_cuda:
-        print("  trainer: the trainer-vs-Python comparison runs on the CPU; skipped on cuda", file=sys.stderr)
-        return []
+        return cuda_graph_rows(ctx)
     rows = throughput_rows(ctx)
     if os.environ.get("FUSETRAIN_BENCH_ACCURACY") == "1":
         with tempfile.TemporaryDirectory(prefix="bench_trainer_acc_") as tmp:

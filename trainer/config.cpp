@@ -208,6 +208,8 @@ const std::vector<KeySpec>& config_schema() {
       key("train.steps_per_execution", K::kInt, "1",
           "steps run between host synchronisations (logging, progress, stop checks)", {}, 1,
           1 << 20),
+      key("train.cuda_graphs", K::kBool, "true",
+          "cuda: capture each execution of steps_per_execution > 1 steps as one CUDA graph"),
       key("train.clip_grad_norm", K::kFloat, "0", "clip the global gradient L2 norm (0: off)", {},
           0),
       key("train.seed", K::kInt, "0", "seed of the initialisation and of dropout", {}, 0, 1e15),

@@ -246,19 +246,20 @@ Dataset load_dataset(const Config& config, const at::Device& device) {
 }
 
 BatchSampler::BatchSampler(int64_t num_samples, int64_t global_batch, int world_size, int rank,
-                           int64_t grad_accum, uint64_t seed)
+                           int64_t grad_accum, uint64_t seed, at::Device device)
     : num_samples_(num_samples),
       global_batch_(global_batch),
       world_size_(world_size),
       rank_(rank),
       grad_accum_(grad_accum),
       seed_(seed),
-      steps_per_epoch_(num_samples / global_batch) {}
+      steps_per_epoch_(num_samples / global_batch),
+      device_(device) {}
 
 at::Tensor BatchSampler::indices(int64_t epoch, int64_t step_in_epoch, int64_t micro) {
   if (epoch != cached_epoch_) {
     at::Generator gen = generator(mix_seed(seed_ ^ mix_seed(static_cast<uint64_t>(epoch))));
-    permutation_ = at::randperm(num_samples_, gen, at::TensorOptions().dtype(at::kLong));
+    permutation_ = at::randperm(num_samples_, gen, at::TensorOptions().dtype(at::kLong)).to(device_);
     cached_epoch_ = epoch;
   }
   const int64_t per_rank = global_batch_ / world_size_;

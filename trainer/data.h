@@ -60,11 +60,14 @@ at::Tensor read_idx_gz(const std::string& path);
 /// size, sees the same global batches.
 class BatchSampler {
  public:
+  /// The epoch's permutation is drawn on the CPU and kept on `device`, so a
+  /// step's indices are a slice there (no host-to-device copy per step).
   BatchSampler(int64_t num_samples, int64_t global_batch, int world_size, int rank,
-               int64_t grad_accum, uint64_t seed);
+               int64_t grad_accum, uint64_t seed, at::Device device = at::kCPU);
 
   int64_t steps_per_epoch() const { return steps_per_epoch_; }
-  /// Sample indices of micro-batch `micro` of step `step_in_epoch` of `epoch` for this rank.
+  /// Sample indices (on the device) of micro-batch `micro` of step
+  /// `step_in_epoch` of `epoch` for this rank.
   at::Tensor indices(int64_t epoch, int64_t step_in_epoch, int64_t micro);
 
  private:
@@ -75,6 +78,7 @@ class BatchSampler {
   int64_t grad_accum_;
   uint64_t seed_;
   int64_t steps_per_epoch_;
+  at::Device device_;
   int64_t cached_epoch_ = -1;
   at::Tensor permutation_;
 };

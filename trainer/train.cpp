@@ -15,6 +15,10 @@
 //  - logging, progress, evaluation and checkpointing read values but never
 //    change the training state, and host synchronisation points
 //    (steps_per_execution) change only when values are read.
+// On CUDA with steps_per_execution > 1 the steps of an execution replay one
+// CUDA graph: the learning rate comes from a device tensor written inside
+// the graph, and random draws (dropout) follow one stream per execution,
+// seeded from its first step; resumption stays exact at execution bounds.
 #include "train.h"
 
 #include "checkpoint.h"
@@ -23,6 +27,7 @@
 
 #include <fusetrain/amp/grad_scaler.h>
 #include <fusetrain/amp/policy.h>
+#include <fusetrain/graph/fused_steps.h>
 #include <fusetrain/ops/optim.h>
 #include <fusetrain/optim/fused.h>
 
@@ -296,7 +301,14 @@ class Trainer {
   void save_checkpoint(const std::string& reason);
   double lr_at(int64_t step) const;
   void reseed(int64_t step);
-  void train_step(int64_t step);
+  /// One step's inputs: the micro-batches' sample indices and the learning
+  /// rate on the device, and the step number on the CPU.
+  std::vector<at::Tensor> step_batch(int64_t step);
+  /// One optimizer step over `batch` (see step_batch); returns its loss.
+  at::Tensor step_body(const std::vector<at::Tensor>& batch);
+  /// Steps [first, first + n): one fused execution when K > 1.
+  void run_steps(int64_t first, int64_t n);
+  void prepare_fused_steps(int64_t k);
   void clip_gradients();
   void log_window(int64_t step);
   void end_epoch(int64_t step);
@@ -321,6 +333,11 @@ class Trainer {
   std::unique_ptr<BatchSampler> sampler_;
   std::unique_ptr<Progress> progress_;
   std::ofstream metrics_;
+  // steps_per_execution > 1: K steps per execution, captured as a CUDA graph
+  // on CUDA (graph_mode_), where the optimizer reads lr_device_.
+  std::unique_ptr<graph::FusedSteps> fused_;
+  bool graph_mode_ = false;
+  at::Tensor lr_device_;
 
   int64_t step_ = 0;
   int64_t start_step_ = 0;
@@ -408,7 +425,8 @@ void Trainer::build() {
   total_steps_ = max_steps > 0 ? max_steps : config_.get_int("train.epochs") * steps_per_epoch_;
   sampler_ = std::make_unique<BatchSampler>(
       data_.train.size(), batch, world_.world_size(), world_.rank(),
-      config_.get_int("train.grad_accum"), static_cast<uint64_t>(config_.get_int("data.seed")));
+      config_.get_int("train.grad_accum"), static_cast<uint64_t>(config_.get_int("data.seed")),
+      device_);
 
   const auto acc = at::TensorOptions().dtype(at::kFloat).device(device_);
   window_loss_ = at::zeros({1}, acc);
@@ -626,16 +644,34 @@ void Trainer::clip_gradients() {
   for (auto& g : grads) g.mul_(coef);
 }
 
-void Trainer::train_step(int64_t step) {
+std::vector<at::Tensor> Trainer::step_batch(int64_t step) {
   const int64_t epoch = step / steps_per_epoch_;
   const int64_t in_epoch = step % steps_per_epoch_;
-  const double lr = lr_at(step);
-  for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
-  reseed(step);
-  optimizer_->zero_grad(/*set_to_none=*/true);
   const int64_t accum = config_.get_int("train.grad_accum");
+  std::vector<at::Tensor> batch;
+  for (int64_t m = 0; m < accum; ++m) batch.push_back(sampler_->indices(epoch, in_epoch, m));
+  // A fill kernel on the device, not a copy from the host.
+  batch.push_back(at::scalar_tensor(lr_at(step), at::TensorOptions().dtype(at::kDouble).device(device_)));
+  batch.push_back(scalar(step));
+  return batch;
+}
+
+at::Tensor Trainer::step_body(const std::vector<at::Tensor>& batch) {
+  const int64_t accum = config_.get_int("train.grad_accum");
+  if (graph_mode_) {
+    // Inside a CUDA graph host values are frozen: the optimizer reads the
+    // learning rate from lr_device_, written here from this step's input.
+    lr_device_.copy_(batch[accum]);
+  } else {
+    const int64_t step = batch[accum + 1].item<int64_t>();  // a CPU tensor: no sync
+    const double lr = lr_at(step);
+    for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
+    reseed(step);
+  }
+  optimizer_->zero_grad(/*set_to_none=*/true);
+  at::Tensor step_loss = at::zeros({1}, window_loss_.options());
   for (int64_t m = 0; m < accum; ++m) {
-    const at::Tensor idx = sampler_->indices(epoch, in_epoch, m).to(device_);
+    const at::Tensor& idx = batch[m];
     const at::Tensor x = data_.train.inputs.index_select(0, idx);
     const at::Tensor y = data_.train.targets.index_select(0, idx);
     // Gradients are averaged across ranks on the last micro-batch only.
@@ -648,14 +684,50 @@ void Trainer::train_step(int64_t step) {
     const at::Tensor loss = loss_of(logits, y);
     const at::Tensor scaled = scaler_->scale(accum > 1 ? loss / static_cast<double>(accum) : loss);
     scaled.backward();
-    const at::Tensor l = loss.detach().reshape({1});
-    window_loss_.add_(l, 1.0 / static_cast<double>(accum));
-    epoch_loss_.add_(l, 1.0 / static_cast<double>(accum));
+    step_loss.add_(loss.detach().reshape({1}), 1.0 / static_cast<double>(accum));
   }
+  window_loss_.add_(step_loss);
+  epoch_loss_.add_(step_loss);
   if (config_.get_float("train.clip_grad_norm") > 0) clip_gradients();
   scaler_->step(*optimizer_);
   if (scaler_->is_enabled()) skipped_.add_(scaler_->found_inf().ne(0).reshape({1}));
   scaler_->update();
+  return step_loss;
+}
+
+void Trainer::prepare_fused_steps(int64_t k) {
+  graph_mode_ = device_.is_cuda() && k > 1 && config_.get_bool("train.cuda_graphs");
+  if (graph_mode_) {
+    lr_device_ = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
+    if (auto* adamw = dynamic_cast<optim::FusedAdamW*>(optimizer_.get())) {
+      adamw->set_lr_tensor(lr_device_);
+    } else if (auto* sgd = dynamic_cast<optim::FusedSGD*>(optimizer_.get())) {
+      sgd->set_lr_tensor(lr_device_);
+    }
+  }
+  if (k == 1) return;
+  graph::FusedStepsOptions o;
+  o.steps_per_execution = k;
+  o.use_cuda_graph = graph_mode_;
+  // Eager steps before capture: optimizer state, cuBLAS/cuDNN workspaces and
+  // DDP's first iterations (torch asks for 11) happen outside the graph.
+  o.warmup_executions = std::max<int64_t>(2, (11 + k - 1) / k + 1);
+  fused_ = std::make_unique<graph::FusedSteps>(
+      [this](const std::vector<at::Tensor>& batch) { return step_body(batch); }, step_batch(step_),
+      o);
+}
+
+void Trainer::run_steps(int64_t first, int64_t n) {
+  if (!fused_) {
+    for (int64_t s = first; s < first + n; ++s) step_body(step_batch(s));
+    return;
+  }
+  std::vector<std::vector<at::Tensor>> batches;
+  for (int64_t s = first; s < first + n; ++s) batches.push_back(step_batch(s));
+  // A graph replays its random draws from the generator's state at launch:
+  // one stream per execution, a function of its first step.
+  if (graph_mode_) reseed(first);
+  fused_->run(batches);
 }
 
 // ------------------------------------------------------------------ metrics
@@ -799,16 +871,18 @@ int Trainer::run() {
   int64_t last_log = step_, last_ckpt = step_;
   segment_start_ = Clock::now();
   const at::Tensor stop_flag = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  prepare_fused_steps(k);
   while (step_ < total_steps_) {
-    train_step(step_);
-    ++step_;
-    ++window_steps_;
-    ++epoch_steps_;
+    // Host synchronisation points: every K steps of an epoch and at its end.
+    // All decisions that involve collectives depend on the step alone, so
+    // every rank takes them at the same point.
+    const int64_t in_epoch = step_ % steps_per_epoch_;
+    const int64_t n = std::min({k - in_epoch % k, steps_per_epoch_ - in_epoch, total_steps_ - step_});
+    run_steps(step_, n);
+    step_ += n;
+    window_steps_ += n;
+    epoch_steps_ += n;
     const bool epoch_end = step_ % steps_per_epoch_ == 0 || step_ == total_steps_;
-    // Host synchronisation points: every K steps and at epoch ends. All
-    // decisions that involve collectives depend on the step alone, so every
-    // rank takes them at the same point.
-    if (step_ % k != 0 && !epoch_end) continue;
     if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
     const auto now = Clock::now();
     const double elapsed = std::chrono::duration<double>(now - segment_start_).count();

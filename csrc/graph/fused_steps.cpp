@@ -12,6 +12,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <string>
 #include <utility>
 
 namespace fusetrain::graph {
@@ -23,6 +24,32 @@ struct FusedSteps::Graph {
   std::vector<std::vector<at::Tensor>> inputs;  // K static batches
   at::Tensor outputs;                           // [K, ...] written by the replay
 };
+
+namespace {
+
+// Why a capture failed, from the error it raised, and what to do.
+[[maybe_unused]] std::string capture_failure(const std::string& what) {
+  // The first line of the error, without torch's backtrace.
+  const std::string first = what.substr(0, what.find('\n'));
+  std::string cause;
+  if (what.find("capturable") != std::string::npos) {
+    cause = "the optimizer is not capturable (use fusetrain::optim::FusedAdamW or FusedSGD, which "
+            "read the loss scale, the overflow flag, the step counts and, with set_lr_tensor, the "
+            "learning rate on the device)";
+  } else if (what.find("capturing") != std::string::npos ||
+             what.find("StreamCapture") != std::string::npos ||
+             what.find("not permitted") != std::string::npos) {
+    cause = "a host synchronisation inside the step (.item(), printing a tensor, copying to the "
+            "CPU, a GradScaler step with an optimizer that does not take the scale on the device, "
+            "or a data-dependent shape such as nonzero or boolean indexing)";
+  } else {
+    cause = "an operation that cannot be captured";
+  }
+  return "FusedSteps: the step cannot be captured as a CUDA graph: " + cause + ". The error was: " +
+         first + "\nRun with use_cuda_graph = false to train without capture.";
+}
+
+}  // namespace
 
 FusedSteps::FusedSteps(StepFn step, const std::vector<at::Tensor>& sample_batch,
                        FusedStepsOptions options)
@@ -90,19 +117,21 @@ at::Tensor FusedSteps::run(const std::vector<std::vector<at::Tensor>>& batches) 
     inputs_ready.block(side);
     {
       const c10::cuda::CUDAStreamGuard on_side(side);
+      g->graph.capture_begin();
       try {
-        g->graph.capture_begin();
         std::vector<at::Tensor> outs;
         for (const auto& b : g->inputs) outs.push_back(step_(b));
         g->outputs = at::stack(outs);
-        g->graph.capture_end();
-      } catch (const c10::Error& e) {
-        TORCH_CHECK(false, "FusedSteps: the step cannot be captured as a CUDA graph: ",
-                    e.what_without_backtrace(),
-                    "\nCommon causes: a host sync in the step (.item(), printing a tensor, a "
-                    "GradScaler with an optimizer that does not take the scale on the device), "
-                    "shapes that change between steps, or CPU tensors in the step.");
+      } catch (const std::exception& e) {
+        // End the capture whatever happened (an invalidated capture fails to
+        // end; that error says less than the first one), then explain.
+        try {
+          g->graph.capture_end();
+        } catch (const std::exception&) {
+        }
+        TORCH_CHECK(false, capture_failure(e.what()));
       }
+      g->graph.capture_end();
     }
     at::cuda::CUDAEvent captured;
     captured.record(side);

@@ -54,6 +54,13 @@ __device__ __forceinline__ void store_quad(T* dst, const float (&src)[kIlp], int
   }
 }
 
+// The value of a device scalar, or `fallback` when it has none.
+__device__ __forceinline__ double read_or(const DeviceScalar& d, double fallback) {
+  if (d.ptr == nullptr) return fallback;
+  return d.is_double ? *static_cast<const double*>(d.ptr)
+                     : static_cast<double>(*static_cast<const float*>(d.ptr));
+}
+
 // ------------------------------------------------------------------- Adam
 
 template <typename P, typename S>
@@ -72,7 +79,11 @@ struct AdamOp {
                                                : nullptr;
     // The step count is incremented by a later launch; this one sees step - 1.
     const double step = static_cast<double>(*static_cast<const float*>(meta.ptrs[6][t])) + 1.0;
-    const float step_size = static_cast<float>(s.lr / (1.0 - pow(s.beta1, step)));
+    const double lr = read_or(s.lr_device, s.lr);
+    // As the host forms it (csrc/ops/cuda/optim_cuda.cpp), in double, rounded once.
+    const float decay =
+        s.lr_device.ptr != nullptr ? static_cast<float>(1.0 - lr * s.weight_decay64) : s.decay;
+    const float step_size = static_cast<float>(lr / (1.0 - pow(s.beta1, step)));
     const float bc2_sqrt = static_cast<float>(sqrt(1.0 - pow(s.beta2, step)));
     const float inv_scale = s.grad_scale != nullptr ? 1.f / *s.grad_scale : 1.f;
     const float beta1 = static_cast<float>(s.beta1), beta2 = static_cast<float>(s.beta2);
@@ -100,7 +111,7 @@ struct AdamOp {
         float param = rp[k];
         if (s.weight_decay != 0.f) {
           if (s.decoupled_weight_decay) {
-            param *= s.decay;
+            param *= decay;
           } else {
             grad += s.weight_decay * param;
           }
@@ -163,6 +174,7 @@ struct SgdOp {
     float* master = meta.ptrs[3][t] != nullptr ? static_cast<float*>(meta.ptrs[3][t]) + start
                                                : nullptr;
     const float inv_scale = s.grad_scale != nullptr ? 1.f / *s.grad_scale : 1.f;
+    const float lr = s.lr_device.ptr != nullptr ? static_cast<float>(read_or(s.lr_device, 0.0)) : s.lr;
     const bool vec = quad_aligned(p) && quad_aligned(g) && (buf == nullptr || quad_aligned(buf)) &&
                      (master == nullptr || quad_aligned(master));
     for (int64_t i = static_cast<int64_t>(threadIdx.x) * kIlp; i < n;
@@ -185,7 +197,7 @@ struct SgdOp {
           rb[k] = s.is_first_step ? grad : s.momentum * rb[k] + s.one_minus_dampening * grad;
           grad = s.nesterov ? grad + s.momentum * rb[k] : rb[k];
         }
-        rp[k] = rp[k] - s.lr * grad;
+        rp[k] = rp[k] - lr * grad;
       }
       if (buf != nullptr) store_quad(buf, rb, i, n, full);
       if (master != nullptr) store_quad(master, rp, i, n, full);
@@ -259,16 +271,33 @@ struct SumSquaresOp {
   }
 };
 
-// One block per tensor sums its chunks' partials in order.
-__global__ void per_tensor_sum_kernel(const float* partials, const int64_t* chunk_begin,
+// Index lists travel in the kernel's parameter block, not through a host to
+// device copy: a CUDA graph captures them by value, and no pinned staging
+// buffer has to outlive the launch.
+struct IndexBlock {
+  static constexpr int kMax = (kParamBytes - 16) / 4 - 1;
+  int32_t v[kMax + 1];
+  int32_t count;
+};
+
+// One block per tensor sums its chunks' partials in order: tensor t of this
+// launch owns partials [b.v[t], b.v[t + 1]) and writes per_tensor_sq[t].
+__global__ void per_tensor_sum_kernel(const float* partials, const __grid_constant__ IndexBlock b,
                                       float* per_tensor_sq) {
   const int t = blockIdx.x;
   float acc = 0.f;
-  for (int64_t c = chunk_begin[t] + threadIdx.x; c < chunk_begin[t + 1]; c += blockDim.x) {
+  for (int32_t c = b.v[t] + static_cast<int32_t>(threadIdx.x); c < b.v[t + 1]; c += blockDim.x) {
     acc += partials[c];
   }
   acc = block_sum<256>(acc);
   if (threadIdx.x == 0) per_tensor_sq[t] = acc;
+}
+
+// dst[b.v[i]] = src[i] for i < b.count.
+__global__ void scatter_kernel(const float* src, const __grid_constant__ IndexBlock b, float* dst) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < b.count; i += gridDim.x * blockDim.x) {
+    dst[b.v[i]] = src[i];
+  }
 }
 
 template <typename T>
@@ -297,9 +326,22 @@ cudaError_t launch_fused_sgd(FloatType param_type, bool has_master, const SgdTen
 
 int64_t chunks_of(int64_t numel) { return (numel + kChunkSize - 1) / kChunkSize; }
 
+cudaError_t launch_scatter(const float* src, const int64_t* where, int n, float* dst,
+                           cudaStream_t stream) {
+  IndexBlock b;
+  for (int first = 0; first < n; first += IndexBlock::kMax) {
+    b.count = n - first < IndexBlock::kMax ? n - first : IndexBlock::kMax;
+    for (int i = 0; i < b.count; ++i) b.v[i] = static_cast<int32_t>(where[first + i]);
+    scatter_kernel<<<(b.count + 255) / 256, 256, 0, stream>>>(src + first, b, dst);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
 cudaError_t launch_sum_squares(FloatType type, void* const* tensors, const int64_t* numel,
-                               int n, float* partials, const int64_t* chunk_begin,
-                               float* per_tensor_sq, int max_blocks, cudaStream_t stream) {
+                               int n, float* partials, float* per_tensor_sq, int max_blocks,
+                               cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
   switch (type) {
     case FloatType::kFloat32:
@@ -316,8 +358,22 @@ cudaError_t launch_sum_squares(FloatType type, void* const* tensors, const int64
       break;
   }
   if (err != cudaSuccess) return err;
-  per_tensor_sum_kernel<<<n, 256, 0, stream>>>(partials, chunk_begin, per_tensor_sq);
-  return cudaGetLastError();
+  // Tensor i's partials start at the sum of the chunk counts before it (the
+  // order multi_tensor_apply numbers chunks in), in launches of kMax tensors.
+  IndexBlock b;
+  int64_t begin = 0;
+  for (int first = 0; first < n; first += IndexBlock::kMax) {
+    b.count = n - first < IndexBlock::kMax ? n - first : IndexBlock::kMax;
+    for (int i = 0; i < b.count; ++i) {
+      b.v[i] = static_cast<int32_t>(begin);
+      begin += chunks_of(numel[first + i]);
+    }
+    b.v[b.count] = static_cast<int32_t>(begin);
+    per_tensor_sum_kernel<<<b.count, 256, 0, stream>>>(partials, b, per_tensor_sq + first);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace fusetrain::kernels

@@ -11,6 +11,12 @@
 
 namespace fusetrain::kernels {
 
+/// A float32 or float64 value in device memory (null: none).
+struct DeviceScalar {
+  const void* ptr;
+  bool is_double;
+};
+
 /// Per-tensor pointers of one fused Adam(W) step; `max_exp_avg_sq` and
 /// `master` may hold null pointers (no amsgrad / no master weights).
 struct AdamTensors {
@@ -36,6 +42,10 @@ struct AdamScalars {
   bool amsgrad, maximize, decoupled_weight_decay;
   const float* grad_scale;  // device pointer or null
   const float* found_inf;   // device pointer or null
+  // A device-side learning rate (replaces lr and decay when set): the kernel
+  // forms lr / bias correction and 1 - lr * weight_decay64 from it in double.
+  DeviceScalar lr_device;
+  double weight_decay64;
 };
 
 /// `param_type` is the parameters' and gradients' type; moments and masters
@@ -54,6 +64,7 @@ struct SgdTensors {
 
 struct SgdScalars {
   float lr, momentum, weight_decay;
+  DeviceScalar lr_device;  // replaces lr when set
   float one_minus_dampening;  // formed in double by the caller, rounded once
   bool nesterov, maximize, is_first_step;
   const float* grad_scale;
@@ -67,12 +78,17 @@ cudaError_t launch_fused_sgd(FloatType param_type, bool has_master, const SgdTen
 int64_t chunks_of(int64_t numel);
 
 /// Sum of squares of every tensor into `per_tensor_sq` (fp32 accumulation):
-/// first per chunk of kChunkSize elements into `partials`, indexed by the
-/// chunk's position among all tensors' chunks, then per tensor summed in chunk
-/// order (deterministic). `chunk_begin` (device, n + 1 entries) holds each
-/// tensor's first chunk (prefix sums of chunks_of(numel)).
+/// first per chunk of kChunkSize elements into `partials` (one float per
+/// chunk of all tensors, chunks_of(numel) each), then per tensor summed in
+/// chunk order (deterministic). Nothing is copied from the host but kernel
+/// parameters, so the launches can be captured in a CUDA graph.
 cudaError_t launch_sum_squares(FloatType type, void* const* tensors, const int64_t* numel,
-                               int n, float* partials, const int64_t* chunk_begin,
-                               float* per_tensor_sq, int max_blocks, cudaStream_t stream);
+                               int n, float* partials, float* per_tensor_sq, int max_blocks,
+                               cudaStream_t stream);
+
+/// dst[where[i]] = src[i] for i < n, with `where` (host) passed as kernel
+/// parameters (capturable; no pinned staging buffer).
+cudaError_t launch_scatter(const float* src, const int64_t* where, int n, float* dst,
+                           cudaStream_t stream);
 
 }  // namespace fusetrain::kernels

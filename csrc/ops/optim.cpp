@@ -63,13 +63,33 @@ void check_state_list(at::TensorList params, at::TensorList list, const char* op
   }
 }
 
+// Non-empty, dense, floating point, one device and one dtype.
 void check_params(at::TensorList params, const char* op) {
   TORCH_CHECK(!params.empty(), op, ": params is empty");
   check_float_list(params, params[0].device(), op, "params");
+  const at::ScalarType dtype = params[0].scalar_type();
   for (size_t i = 0; i < params.size(); ++i) {
     TORCH_CHECK(params[i].is_non_overlapping_and_dense(), op, ": params[", i,
                 "] must be dense (non-overlapping, no gaps); got strides ", params[i].strides());
+    TORCH_CHECK(params[i].scalar_type() == dtype, op, ": params[", i, "] is ",
+                params[i].scalar_type(), " but params[0] is ", dtype,
+                "; group parameters by dtype");
   }
+}
+
+// A device-side learning rate: one float32/float64 element on the params' device.
+void check_lr_tensor(const std::optional<at::Tensor>& lr, const at::Tensor& ref, const char* op) {
+  if (!lr.has_value() || !lr->defined()) return;
+  TORCH_CHECK(lr->numel() == 1, op, ": lr_tensor must hold exactly one element, got shape ",
+              lr->sizes());
+  TORCH_CHECK(lr->scalar_type() == at::kFloat || lr->scalar_type() == at::kDouble, op,
+              ": lr_tensor must be float32 or float64, got ", lr->scalar_type());
+  check_same_device(*lr, ref, op, "lr_tensor", "params[0]");
+}
+
+// The learning rate a CPU step uses: `lr_tensor`'s value when given.
+double resolve_lr(double lr, const std::optional<at::Tensor>& lr_tensor) {
+  return lr_tensor.has_value() && lr_tensor->defined() ? lr_tensor->item<double>() : lr;
 }
 
 void check_steps(at::TensorList params, at::TensorList steps, const char* op) {
@@ -399,10 +419,12 @@ void fused_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList
                      double beta1, double beta2, double weight_decay, double eps, bool amsgrad,
                      bool maximize, bool decoupled_weight_decay,
                      const std::optional<at::Tensor>& grad_scale,
-                     const std::optional<at::Tensor>& found_inf) {
+                     const std::optional<at::Tensor>& found_inf,
+                     const std::optional<at::Tensor>& lr_tensor) {
   check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params,
-                   state_steps, amsgrad, grad_scale, found_inf);
+                   state_steps, amsgrad, grad_scale, found_inf, lr_tensor);
   if (skip_step(found_inf)) return;
+  lr = resolve_lr(lr, lr_tensor);
   const AdamHyper h{lr, beta1, beta2, weight_decay, eps, amsgrad, maximize,
                     decoupled_weight_decay};
   std::vector<AdamTensorConsts> consts(params.size());
@@ -489,9 +511,12 @@ void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList m
                    at::TensorList master_params, double lr, double momentum, double dampening,
                    double weight_decay, bool nesterov, bool maximize, bool is_first_step,
                    const std::optional<at::Tensor>& grad_scale,
-                   const std::optional<at::Tensor>& found_inf) {
-  check_sgd_args(params, grads, momentum_buffers, master_params, momentum, grad_scale, found_inf);
+                   const std::optional<at::Tensor>& found_inf,
+                   const std::optional<at::Tensor>& lr_tensor) {
+  check_sgd_args(params, grads, momentum_buffers, master_params, momentum, grad_scale, found_inf,
+                 lr_tensor);
   if (skip_step(found_inf)) return;
+  lr = resolve_lr(lr, lr_tensor);
   const SgdHyper h{lr, momentum, dampening, weight_decay, nesterov, maximize};
   const float inv = read_inv_scale(grad_scale);
   const bool unscale = grad_scale.has_value() && grad_scale->defined();
@@ -569,16 +594,19 @@ void fused_adamw_meta(at::TensorList params, at::TensorList grads, at::TensorLis
                       at::TensorList master_params, at::TensorList state_steps, double, double,
                       double, double, double, bool amsgrad, bool, bool,
                       const std::optional<at::Tensor>& grad_scale,
-                      const std::optional<at::Tensor>& found_inf) {
+                      const std::optional<at::Tensor>& found_inf,
+                      const std::optional<at::Tensor>& lr_tensor) {
   check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params,
-                   state_steps, amsgrad, grad_scale, found_inf);
+                   state_steps, amsgrad, grad_scale, found_inf, lr_tensor);
 }
 
 void fused_sgd_meta(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                     at::TensorList master_params, double, double momentum, double, double, bool,
                     bool, bool, const std::optional<at::Tensor>& grad_scale,
-                    const std::optional<at::Tensor>& found_inf) {
-  check_sgd_args(params, grads, momentum_buffers, master_params, momentum, grad_scale, found_inf);
+                    const std::optional<at::Tensor>& found_inf,
+                    const std::optional<at::Tensor>& lr_tensor) {
+  check_sgd_args(params, grads, momentum_buffers, master_params, momentum, grad_scale, found_inf,
+                 lr_tensor);
 }
 
 std::tuple<at::Tensor, at::Tensor> l2norm_meta(at::TensorList tensors, bool per_tensor) {
@@ -593,7 +621,8 @@ void check_adamw_args(at::TensorList params, at::TensorList grads, at::TensorLis
                       at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
                       at::TensorList master_params, at::TensorList state_steps, bool amsgrad,
                       const std::optional<at::Tensor>& grad_scale,
-                      const std::optional<at::Tensor>& found_inf) {
+                      const std::optional<at::Tensor>& found_inf,
+                      const std::optional<at::Tensor>& lr_tensor) {
   check_params(params, kAdamOp);
   const bool master = !master_params.empty();
   const std::optional<at::ScalarType> state_dtype =
@@ -606,20 +635,16 @@ void check_adamw_args(at::TensorList params, at::TensorList grads, at::TensorLis
   check_state_list(params, max_exp_avg_sqs, kAdamOp, "max_exp_avg_sqs", state_dtype, !amsgrad);
   check_state_list(params, master_params, kAdamOp, "master_params", at::kFloat, true);
   check_steps(params, state_steps, kAdamOp);
-  const at::ScalarType dtype = params[0].scalar_type();
-  for (size_t i = 1; i < params.size(); ++i) {
-    TORCH_CHECK(params[i].scalar_type() == dtype, kAdamOp, ": params[", i, "] is ",
-                params[i].scalar_type(), " but params[0] is ", dtype,
-                "; group parameters by dtype");
-  }
   check_optional_scalar(grad_scale, params[0], kAdamOp, "grad_scale");
   check_optional_scalar(found_inf, params[0], kAdamOp, "found_inf");
+  check_lr_tensor(lr_tensor, params[0], kAdamOp);
 }
 
 void check_sgd_args(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                     at::TensorList master_params, double momentum,
                     const std::optional<at::Tensor>& grad_scale,
-                    const std::optional<at::Tensor>& found_inf) {
+                    const std::optional<at::Tensor>& found_inf,
+                    const std::optional<at::Tensor>& lr_tensor) {
   check_params(params, kSgdOp);
   const bool master = !master_params.empty();
   const std::optional<at::ScalarType> state_dtype =
@@ -630,45 +655,43 @@ void check_sgd_args(at::TensorList params, at::TensorList grads, at::TensorList 
   check_state_list(params, momentum_buffers, kSgdOp, "momentum_buffers", state_dtype,
                    momentum == 0);
   check_state_list(params, master_params, kSgdOp, "master_params", at::kFloat, true);
-  const at::ScalarType dtype = params[0].scalar_type();
-  for (size_t i = 1; i < params.size(); ++i) {
-    TORCH_CHECK(params[i].scalar_type() == dtype, kSgdOp, ": params[", i, "] is ",
-                params[i].scalar_type(), " but params[0] is ", dtype,
-                "; group parameters by dtype");
-  }
   check_optional_scalar(grad_scale, params[0], kSgdOp, "grad_scale");
   check_optional_scalar(found_inf, params[0], kSgdOp, "found_inf");
+  check_lr_tensor(lr_tensor, params[0], kSgdOp);
 }
 
 void fused_adamw_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                   at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
                   at::TensorList master_params, at::TensorList state_steps, const AdamHyper& h,
                   const std::optional<at::Tensor>& grad_scale,
-                  const std::optional<at::Tensor>& found_inf) {
+                  const std::optional<at::Tensor>& found_inf,
+                  const std::optional<at::Tensor>& lr_tensor) {
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow(kAdamOp, "")
           .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
                       at::TensorList, at::TensorList, at::TensorList, double, double, double,
                       double, double, bool, bool, bool, const std::optional<at::Tensor>&,
-                      const std::optional<at::Tensor>&)>();
+                      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
   op.call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, state_steps, h.lr,
           h.beta1, h.beta2, h.weight_decay, h.eps, h.amsgrad, h.maximize,
-          h.decoupled_weight_decay, grad_scale, found_inf);
+          h.decoupled_weight_decay, grad_scale, found_inf, lr_tensor);
 }
 
 void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                 at::TensorList master_params, const SgdHyper& h, bool is_first_step,
                 const std::optional<at::Tensor>& grad_scale,
-                const std::optional<at::Tensor>& found_inf) {
+                const std::optional<at::Tensor>& found_inf,
+                const std::optional<at::Tensor>& lr_tensor) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow(kSgdOp, "")
                        .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
                                    double, double, double, double, bool, bool, bool,
                                    const std::optional<at::Tensor>&,
+                                   const std::optional<at::Tensor>&,
                                    const std::optional<at::Tensor>&)>();
   op.call(params, grads, momentum_buffers, master_params, h.lr, h.momentum, h.dampening,
-          h.weight_decay, h.nesterov, h.maximize, is_first_step, grad_scale, found_inf);
+          h.weight_decay, h.nesterov, h.maximize, is_first_step, grad_scale, found_inf, lr_tensor);
 }
 
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors, bool per_tensor) {

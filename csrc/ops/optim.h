@@ -34,12 +34,14 @@ void fused_adamw_(at::TensorList params, at::TensorList grads, at::TensorList ex
                   at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
                   at::TensorList master_params, at::TensorList state_steps, const AdamHyper& h,
                   const std::optional<at::Tensor>& grad_scale = std::nullopt,
-                  const std::optional<at::Tensor>& found_inf = std::nullopt);
+                  const std::optional<at::Tensor>& found_inf = std::nullopt,
+                  const std::optional<at::Tensor>& lr_tensor = std::nullopt);
 
 void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                 at::TensorList master_params, const SgdHyper& h, bool is_first_step,
                 const std::optional<at::Tensor>& grad_scale = std::nullopt,
-                const std::optional<at::Tensor>& found_inf = std::nullopt);
+                const std::optional<at::Tensor>& found_inf = std::nullopt,
+                const std::optional<at::Tensor>& lr_tensor = std::nullopt);
 
 /// {total L2 norm (0-d float32), per-tensor norms ([n] float32, empty unless per_tensor)}.
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors,
@@ -50,10 +52,12 @@ void check_adamw_args(at::TensorList params, at::TensorList grads, at::TensorLis
                       at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
                       at::TensorList master_params, at::TensorList state_steps, bool amsgrad,
                       const std::optional<at::Tensor>& grad_scale,
-                      const std::optional<at::Tensor>& found_inf);
+                      const std::optional<at::Tensor>& found_inf,
+                      const std::optional<at::Tensor>& lr_tensor);
 void check_sgd_args(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                     at::TensorList master_params, double momentum,
                     const std::optional<at::Tensor>& grad_scale,
-                    const std::optional<at::Tensor>& found_inf);
+                    const std::optional<at::Tensor>& found_inf,
+                    const std::optional<at::Tensor>& lr_tensor);
 
 }  // namespace fusetrain::ops

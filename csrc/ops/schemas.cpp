@@ -20,21 +20,23 @@ TORCH_LIBRARY(fusetrain, m) {
   // fp32 masters (then m, v and the update are fp32 and params get the rounded
   // master). `grad_scale` divides the gradients in the kernel; a non-zero
   // `found_inf` makes the op a no-op, step counts included. Step counts are
-  // one-element float32 tensors, incremented here.
+  // one-element float32 tensors, incremented here. `lr_tensor` (a one-element
+  // float32/float64 tensor on the params' device) replaces `lr` when given: the
+  // kernel reads it, so a CUDA graph follows a schedule written into it.
   m.def(
       "fused_adamw_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] master_params, "
       "Tensor(f!)[] state_steps, *, float lr, float beta1, float beta2, float weight_decay, "
       "float eps, bool amsgrad, bool maximize, bool decoupled_weight_decay, "
-      "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
+      "Tensor? grad_scale=None, Tensor? found_inf=None, Tensor? lr_tensor=None) -> ()");
   // SGD with momentum, dampening, nesterov, weight decay, optional fp32
-  // masters, `grad_scale` / `found_inf` as above. `is_first_step` initialises
+  // masters, `grad_scale` / `found_inf` / `lr_tensor` as above. `is_first_step` initialises
   // the momentum buffers to the first gradient, as torch.optim.SGD does.
   m.def(
       "fused_sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
       "Tensor(c!)[] master_params, *, float lr, float momentum, float dampening, "
       "float weight_decay, bool nesterov, bool maximize, bool is_first_step, "
-      "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
+      "Tensor? grad_scale=None, Tensor? found_inf=None, Tensor? lr_tensor=None) -> ()");
   // L2 norms with fp32 (CPU: fp64) accumulation: the total over all tensors
   // (0-d float32) and, when per_tensor, each tensor's ([n] float32; else empty).
   m.def("multi_tensor_l2norm(Tensor[] tensors, bool per_tensor=False) -> (Tensor, Tensor)");

@@ -34,6 +34,15 @@ std::optional<at::Tensor> on_device(const std::optional<at::Tensor>& t, const at
   return t->to(d, /*non_blocking=*/true);
 }
 
+std::optional<at::Tensor> checked_lr_tensor(std::optional<at::Tensor> lr, const char* who) {
+  if (!lr.has_value() || !lr->defined()) return std::nullopt;
+  TORCH_CHECK_VALUE(lr->numel() == 1, who, ": the lr tensor must hold one element, got shape ",
+                    lr->sizes());
+  TORCH_CHECK_VALUE(lr->scalar_type() == at::kDouble || lr->scalar_type() == at::kFloat, who,
+                    ": the lr tensor must be float64 or float32, got ", lr->scalar_type());
+  return lr->reshape({});
+}
+
 /// p.grad() laid out like p: the kernels walk both in memory order, so a
 /// gradient assigned by hand in another layout is copied into p's.
 at::Tensor grad_of(const at::Tensor& p) {
@@ -112,6 +121,10 @@ void FusedAdamW::set_amp_scaling(std::optional<at::Tensor> grad_scale,
   found_inf_ = std::move(found_inf);
 }
 
+void FusedAdamW::set_lr_tensor(std::optional<at::Tensor> lr) {
+  lr_tensor_ = checked_lr_tensor(std::move(lr), "FusedAdamW");
+}
+
 at::Tensor FusedAdamW::step(LossClosure closure) {
   at::Tensor loss = run_closure(closure);
   at::NoGradGuard no_grad;
@@ -150,7 +163,8 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
       h.decoupled_weight_decay = o.decoupled_weight_decay();
       const at::Device device = params[0].device();
       ops::fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_sqs, masters, steps, h,
-                        on_device(grad_scale_, device), on_device(found_inf_, device));
+                        on_device(grad_scale_, device), on_device(found_inf_, device),
+                        on_device(lr_tensor_, device));
     }
   }
   return loss;
@@ -216,6 +230,10 @@ void FusedSGD::set_amp_scaling(std::optional<at::Tensor> grad_scale,
   found_inf_ = std::move(found_inf);
 }
 
+void FusedSGD::set_lr_tensor(std::optional<at::Tensor> lr) {
+  lr_tensor_ = checked_lr_tensor(std::move(lr), "FusedSGD");
+}
+
 at::Tensor FusedSGD::step(LossClosure closure) {
   at::Tensor loss = run_closure(closure);
   at::NoGradGuard no_grad;
@@ -255,7 +273,7 @@ at::Tensor FusedSGD::step(LossClosure closure) {
           if (master) masters.push_back(s.master_param());
         }
         ops::fused_sgd_(subset, grads, bufs, masters, h, first, on_device(grad_scale_, device),
-                        on_device(found_inf_, device));
+                        on_device(found_inf_, device), on_device(lr_tensor_, device));
       }
     }
   }

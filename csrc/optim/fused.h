@@ -63,12 +63,19 @@ class FusedAdamW : public torch::optim::Optimizer, public amp::AmpScalingOptimiz
   at::Tensor step(LossClosure closure = nullptr) override;
   void set_amp_scaling(std::optional<at::Tensor> grad_scale,
                        std::optional<at::Tensor> found_inf) override;
+  /// Reads the learning rate from `lr` (one float64 or float32 element; moved
+  /// to each group's device) at every step instead of the groups' `lr`
+  /// options, so a captured CUDA graph follows values written into it between
+  /// replays (see fusetrain::graph::FusedSteps). Applies to every group;
+  /// std::nullopt goes back to the options.
+  void set_lr_tensor(std::optional<at::Tensor> lr);
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
  private:
   std::optional<at::Tensor> grad_scale_;
   std::optional<at::Tensor> found_inf_;
+  std::optional<at::Tensor> lr_tensor_;
 };
 
 struct FusedSGDOptions : public torch::optim::OptimizerCloneableOptions<FusedSGDOptions> {
@@ -108,12 +115,19 @@ class FusedSGD : public torch::optim::Optimizer, public amp::AmpScalingOptimizer
   at::Tensor step(LossClosure closure = nullptr) override;
   void set_amp_scaling(std::optional<at::Tensor> grad_scale,
                        std::optional<at::Tensor> found_inf) override;
+  /// Reads the learning rate from `lr` (one float64 or float32 element; moved
+  /// to each group's device) at every step instead of the groups' `lr`
+  /// options, so a captured CUDA graph follows values written into it between
+  /// replays (see fusetrain::graph::FusedSteps). Applies to every group;
+  /// std::nullopt goes back to the options.
+  void set_lr_tensor(std::optional<at::Tensor> lr);
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
  private:
   std::optional<at::Tensor> grad_scale_;
   std::optional<at::Tensor> found_inf_;
+  std::optional<at::Tensor> lr_tensor_;
 };
 
 }  // namespace fusetrain::optim

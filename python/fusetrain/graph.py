@@ -19,9 +19,11 @@ On CUDA the K steps are captured once as a CUDA graph that reads a ring of K
 static input buffers, and each execution is one graph replay. The first
 ``warmup_executions`` run eagerly (they allocate optimizer state; DDP needs at
 least 11 eager iterations before capture). What a step reads as a Python
-number at capture time (e.g. the learning rate) is frozen into the graph:
-call ``reset()`` after changing it. On the CPU the K steps run back to back.
-Either way the results equal K unfused calls of the step.
+number at capture time is frozen into the graph: give the optimizer a tensor
+learning rate (``FusedAdamW(params, lr=torch.tensor(1e-3, device="cuda"))``)
+and change it in place between executions, or call ``reset()`` after
+changing a float one. On the CPU the K steps run back to back. Either way the
+results equal K unfused calls of the step.
 """
 
 from __future__ import annotations
@@ -136,16 +138,42 @@ class FusedSteps:
         try:
             with torch.cuda.graph(graph, stream=side):
                 self._static_outputs = torch.stack([self._call(b) for b in self._static_inputs])
-        except RuntimeError as e:
+        except Exception as e:
             self.reset()
-            raise RuntimeError(
-                "fuse_steps: the step cannot be captured as a CUDA graph: "
-                f"{e}\nCommon causes: a host sync in the step (.item(), printing a tensor, a "
-                "GradScaler with an optimizer that does not take the scale on the device), "
-                "shapes that change between steps, or CPU tensors in the step."
-            ) from e
+            raise RuntimeError(_capture_failure(e)) from e
         torch.cuda.current_stream().wait_stream(side)
         self._graph = graph
+
+
+def _capture_failure(e: BaseException) -> str:
+    """Why a capture failed, from the error it raised, and what to do."""
+    # A failed capture_end() while leaving the graph context replaces the
+    # first error; read the whole chain and report the first one.
+    chain = []
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__context__
+    text = " ".join(str(x) for x in chain)
+    e = chain[-1]
+    if "capturable" in text:
+        cause = (
+            "the optimizer is not capturable (use fusetrain.optim.FusedAdamW / FusedSGD, which "
+            "read the loss scale, the overflow flag and the step counts on the device, or a torch "
+            "optimizer with capturable=True)"
+        )
+    elif any(k in text for k in ("capturing", "StreamCapture", "not permitted")):
+        cause = (
+            "a host sync in the step (.item(), printing a tensor, copying to the CPU, a GradScaler "
+            "with an optimizer that does not take the scale on the device, or a data-dependent "
+            "shape such as nonzero or boolean indexing)"
+        )
+    else:
+        cause = "an operation that cannot be captured"
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return (
+        f"fuse_steps: the step cannot be captured as a CUDA graph: {cause}. The error was: "
+        f"{first}\nPass use_cuda_graph=False to run the steps without capture."
+    )
 
 
 def fuse_steps(

@@ -17,6 +17,10 @@ Beyond torch:
 - ``_step_supports_amp_scaling = True``: torch's and fusetrain's GradScaler
   hand ``grad_scale`` / ``found_inf`` tensors; an overflow skips the step on the
   device, step counts included.
+- ``lr`` may be a one-element tensor (as in torch): on the parameters' device
+  the kernels read it, so a captured CUDA graph (``fusetrain.fuse_steps``)
+  follows a schedule that writes into it (``group["lr"].fill_(value)``, which
+  torch's LR schedulers do for tensor learning rates).
 """
 
 from __future__ import annotations
@@ -40,6 +44,35 @@ def _grad_of(p: torch.Tensor) -> torch.Tensor:
     if g.stride() != p.stride():
         g = torch.empty_like(p, memory_format=torch.preserve_format).copy_(g)
     return g
+
+
+def _checked_lr(lr):
+    """A float learning rate, or a one-element float tensor kept as it is:
+    the kernels read a tensor on the parameters' device, so a CUDA graph
+    follows what a scheduler writes into it (``group["lr"].fill_(...)``)."""
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1 or not lr.is_floating_point():
+            raise ValueError(
+                f"Tensor lr must be a 1-element floating point tensor, got shape {tuple(lr.shape)}, {lr.dtype}"
+            )
+        if float(lr) < 0.0:
+            raise ValueError(f"Invalid learning rate: {float(lr)}")
+        return lr
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    return lr
+
+
+def _lr_args(lr, device: torch.device) -> dict:
+    """The ``lr`` / ``lr_tensor`` arguments of a fused op on ``device``."""
+    if not isinstance(lr, torch.Tensor):
+        return {"lr": float(lr)}
+    if lr.device.type == "cpu" and device.type != "cpu":
+        return {"lr": float(lr)}  # read on the host: no sync, no transfer
+    t = lr.reshape(())
+    if t.dtype not in (torch.float32, torch.float64):
+        t = t.double()
+    return {"lr": 0.0, "lr_tensor": t.to(device, non_blocking=True)}
 
 
 def _per_device(tensor: Optional[torch.Tensor], cache: dict, device: torch.device):
@@ -215,10 +248,7 @@ class FusedAdamW(_FusedOptimizer):
         master_weights: bool = False,
         max_grad_norm: Optional[float] = None,
     ):
-        if isinstance(lr, torch.Tensor):
-            lr = float(lr)
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
+        lr = _checked_lr(lr)
         if not 0.0 <= eps:
             raise ValueError(f"Invalid epsilon value: {eps}")
         if not 0.0 <= betas[0] < 1.0:
@@ -280,7 +310,7 @@ class FusedAdamW(_FusedOptimizer):
             max_sqs,
             masters,
             steps,
-            lr=float(group["lr"]),
+            **_lr_args(group["lr"], params[0].device),
             beta1=float(beta1),
             beta2=float(beta2),
             weight_decay=float(group["weight_decay"]),
@@ -369,10 +399,7 @@ class FusedSGD(_FusedOptimizer):
         master_weights: bool = False,
         max_grad_norm: Optional[float] = None,
     ):
-        if isinstance(lr, torch.Tensor):
-            lr = float(lr)
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
+        lr = _checked_lr(lr)
         if momentum < 0.0:
             raise ValueError(f"Invalid momentum value: {momentum}")
         if weight_decay < 0.0:
@@ -418,7 +445,7 @@ class FusedSGD(_FusedOptimizer):
                 [_grad_of(p) for p in subset],
                 [self.state[p]["momentum_buffer"] for p in subset] if momentum != 0 else [],
                 [self._master_of(p, self.state[p]) for p in subset] if master else [],
-                lr=float(group["lr"]),
+                **_lr_args(group["lr"], subset[0].device),
                 momentum=momentum,
                 dampening=float(group["dampening"]),
                 weight_decay=float(group["weight_decay"]),

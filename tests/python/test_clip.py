@@ -317,3 +317,36 @@ def test_cuda_clip_grad_norm_matches_torch(dtype):
     err_o = max(rel_err(a.grad, g * coef) for a, g in zip(ours, grads64) if g.numel())
     err_t = max(rel_err(b.grad, g * coef) for b, g in zip(ref, grads64) if g.numel())
     assert err_o <= max(2 * err_t, 2e-5), (err_o, err_t)
+
+
+@cuda
+def test_cuda_l2norm_over_more_tensors_than_one_launch_holds():
+    # 9000 tensors: the per-tensor sums and the dtype scatter each take two
+    # launches (their index lists travel as kernel parameters, ~8000 a launch).
+    g = torch.Generator().manual_seed(7)
+    cpu = [torch.randn(int(n), generator=g).to(torch.float32 if i % 3 else torch.bfloat16)
+           for i, n in enumerate(torch.randint(1, 300, (9000,), generator=g))]
+    _poison_cuda_allocator()
+    total, per = torch.ops.fusetrain.multi_tensor_l2norm([t.cuda() for t in cpu], True)
+    total_c, per_c = torch.ops.fusetrain.multi_tensor_l2norm(cpu, True)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(per.cpu(), per_c, rtol=1e-5, atol=0)
+    torch.testing.assert_close(total.cpu(), total_c, rtol=1e-5, atol=0)
+
+
+@cuda
+def test_cuda_l2norm_is_capturable():
+    # Nothing is staged through host memory: a graph replay sees new values.
+    xs = [torch.randn(n, device="cuda") for n in (70000, 3, 65536)] + [torch.randn(9, device="cuda").bfloat16()]
+    torch.ops.fusetrain.multi_tensor_l2norm(xs, True)  # warm-up outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        total, per = torch.ops.fusetrain.multi_tensor_l2norm(xs, True)
+    for seed in range(3):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        for x in xs:
+            x.copy_(torch.randn(x.shape, generator=g, device="cuda"))
+        graph.replay()
+        want_total, want_per = torch.ops.fusetrain.multi_tensor_l2norm([x.cpu() for x in xs], True)
+        torch.testing.assert_close(per.cpu(), want_per, rtol=1e-5, atol=0)
+        torch.testing.assert_close(total.cpu(), want_total, rtol=1e-5, atol=0)

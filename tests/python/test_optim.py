@@ -1173,3 +1173,99 @@ def test_cuda_optimizer_with_grad_scaler_and_master_weights():
         assert torch.equal(p.detach(), master.to(torch.bfloat16))
         assert_tracks(master, q.detach(), "master vs torch fp32 run", rtol=1e-5)
         assert float(opt.state[p]["step"]) == 5.0
+
+
+# ------------------------------------------------------ tensor learning rate
+#
+# A one-element tensor lr is read by the kernels (on the params' device), so a
+# captured CUDA graph follows a schedule written into it in place.
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps, lr: fo.FusedAdamW(ps, lr=lr, weight_decay=0.1),
+    lambda ps, lr: fo.FusedAdam(ps, lr=lr, weight_decay=0.1),
+    lambda ps, lr: fo.FusedSGD(ps, lr=lr, momentum=0.9, weight_decay=0.01),
+], ids=["adamw", "adam", "sgd"])
+def test_tensor_lr_with_a_scheduler_equals_float_lr(make):
+    # torch's schedulers fill_ a tensor lr in place; the trajectory is the
+    # float one bit for bit (a float64 tensor holds the same double).
+    init = initial_params(7)
+    a = [nn.Parameter(t.clone()) for t in init]
+    b = [nn.Parameter(t.clone()) for t in init]
+    lr_t = torch.tensor(1e-2, dtype=torch.float64)
+    opt_a, opt_b = make(a, 1e-2), make(b, lr_t)
+    assert opt_b.param_groups[0]["lr"] is lr_t
+    sched_a = torch.optim.lr_scheduler.StepLR(opt_a, step_size=3, gamma=0.5)
+    sched_b = torch.optim.lr_scheduler.StepLR(opt_b, step_size=3, gamma=0.5)
+    g = torch.Generator().manual_seed(8)
+    for _ in range(10):
+        for p, q, grad in zip(a, b, grads_for(a, g)):
+            p.grad, q.grad = grad.clone(), grad.clone()
+        opt_a.step()
+        opt_b.step()
+        sched_a.step()
+        sched_b.step()
+    assert isinstance(opt_b.param_groups[0]["lr"], torch.Tensor)
+    assert float(opt_b.param_groups[0]["lr"]) == opt_a.param_groups[0]["lr"]
+    for i, (p, q) in enumerate(zip(a, b)):
+        assert_bits_equal(q.detach(), p.detach(), f"param {i}")
+
+
+def test_tensor_lr_op_argument_overrides_lr():
+    lists = _adam_case([(33,), (5, 4)], torch.float32, False, amsgrad=False)
+    ref = copy.deepcopy(lists)
+    _call_adam(ref, lr=3e-3, weight_decay=0.2)
+    _call_adam(lists, lr=123.0, weight_decay=0.2, lr_tensor=torch.tensor([3e-3], dtype=torch.float64))
+    for i, (p, q) in enumerate(zip(lists["params"], ref["params"])):
+        assert_bits_equal(p, q, f"params[{i}]")
+    sgd = [torch.ones(4)], [torch.full((4,), 2.0)]
+    torch.ops.fusetrain.fused_sgd_(*sgd, [], [], lr=5.0, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                                   nesterov=False, maximize=False, is_first_step=False,
+                                   lr_tensor=torch.tensor(0.25))
+    assert torch.equal(sgd[0][0], torch.full((4,), 0.5))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (torch.ones(2, dtype=torch.float64), r"lr_tensor must hold exactly one element"),
+    (torch.ones((), dtype=torch.int64), r"lr_tensor must be float32 or float64, got Long"),
+    (torch.ones((), dtype=torch.bfloat16), r"lr_tensor must be float32 or float64, got BFloat16"),
+    (torch.ones((), dtype=torch.float64, device="meta"), r"lr_tensor is on meta but params\[0\] is on cpu"),
+], ids=["shape", "int", "bf16", "device"])
+def test_tensor_lr_op_errors_name_the_argument(bad, match):
+    lists = _adam_case([(3,)], torch.float32, False, amsgrad=False)
+    with pytest.raises(RuntimeError, match=match):
+        _call_adam(lists, lr_tensor=bad)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.fusetrain.fused_sgd_(lists["params"], lists["grads"], [], [], lr=0.1, momentum=0.0,
+                                       dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False,
+                                       is_first_step=False, lr_tensor=bad)
+
+
+def test_tensor_lr_constructor_errors():
+    p = [nn.Parameter(torch.ones(3))]
+    with pytest.raises(ValueError, match="1-element"):
+        fo.FusedAdamW(p, lr=torch.ones(2))
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        fo.FusedSGD(p, lr=torch.tensor(-1.0))
+
+
+@cuda
+@pytest.mark.parametrize("lr_dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("case", ["fp32", "bf16_master"])
+def test_cuda_tensor_lr_matches_cpu_float_lr(case, lr_dtype):
+    c = CUDA_ADAM[case]
+    cpu = _adam_case(CUDA_SIZES, c["pdtype"], c["master"], c["amsgrad"])
+    gpu = _to_cuda(cpu)
+    lr = float(torch.tensor(1e-2, dtype=lr_dtype))  # what the kernel reads, as a double
+    kw = dict(beta1=0.9, beta2=0.99, weight_decay=0.1, eps=1e-8, amsgrad=c["amsgrad"])
+    _call_adam(cpu, lr=lr, **kw)
+    _call_adam(gpu, lr=99.0, lr_tensor=torch.tensor(1e-2, dtype=lr_dtype, device="cuda"), **kw)
+    sgd_cpu = [torch.ones(70000)], [torch.full((70000,), 2.0)]
+    sgd_gpu = [t.cuda() for t in sgd_cpu[0]], [t.cuda() for t in sgd_cpu[1]]
+    common = dict(momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False, is_first_step=False)
+    torch.ops.fusetrain.fused_sgd_(*sgd_cpu, [], [], lr=lr, **common)
+    torch.ops.fusetrain.fused_sgd_(*sgd_gpu, [], [], lr=99.0, lr_tensor=torch.tensor(1e-2, dtype=lr_dtype, device="cuda"),
+                                   **common)
+    torch.cuda.synchronize()
+    _assert_lists_close(gpu, cpu, case)
+    assert torch.equal(sgd_gpu[0][0].cpu(), sgd_cpu[0][0])

@@ -28,6 +28,11 @@ const float* optional_ptr(const std::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->const_data_ptr<float>() : nullptr;
 }
 
+kernels::DeviceScalar device_scalar(const std::optional<at::Tensor>& t) {
+  if (!t.has_value() || !t->defined()) return {nullptr, false};
+  return {t->const_data_ptr(), t->scalar_type() == at::kDouble};
+}
+
 void check_cuda_params(at::TensorList params, const char* op) {
   TORCH_CHECK(params[0].is_cuda(), op, ": the CUDA kernel got params on ", params[0].device());
   TORCH_CHECK(params[0].scalar_type() != at::kDouble, op,
@@ -41,10 +46,11 @@ void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorLis
                       double beta1, double beta2, double weight_decay, double eps, bool amsgrad,
                       bool maximize, bool decoupled_weight_decay,
                       const std::optional<at::Tensor>& grad_scale,
-                      const std::optional<at::Tensor>& found_inf) {
+                      const std::optional<at::Tensor>& found_inf,
+                      const std::optional<at::Tensor>& lr_tensor) {
   constexpr const char* kOp = "fusetrain::fused_adamw_";
   check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params,
-                   state_steps, amsgrad, grad_scale, found_inf);
+                   state_steps, amsgrad, grad_scale, found_inf, lr_tensor);
   check_cuda_params(params, kOp);
   const c10::cuda::CUDAGuard guard(params[0].device());
   const size_t n = params.size();
@@ -71,6 +77,8 @@ void fused_adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorLis
   scalars.decoupled_weight_decay = decoupled_weight_decay;
   scalars.grad_scale = optional_ptr(grad_scale);
   scalars.found_inf = optional_ptr(found_inf);
+  scalars.lr_device = device_scalar(lr_tensor);
+  scalars.weight_decay64 = weight_decay;
   C10_CUDA_CHECK(kernels::launch_fused_adam(float_type(params[0].scalar_type(), kOp),
                                             !master_params.empty(), tensors, scalars,
                                             multi_tensor_blocks(),
@@ -81,9 +89,11 @@ void fused_sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
                     at::TensorList master_params, double lr, double momentum, double dampening,
                     double weight_decay, bool nesterov, bool maximize, bool is_first_step,
                     const std::optional<at::Tensor>& grad_scale,
-                    const std::optional<at::Tensor>& found_inf) {
+                    const std::optional<at::Tensor>& found_inf,
+                    const std::optional<at::Tensor>& lr_tensor) {
   constexpr const char* kOp = "fusetrain::fused_sgd_";
-  check_sgd_args(params, grads, momentum_buffers, master_params, momentum, grad_scale, found_inf);
+  check_sgd_args(params, grads, momentum_buffers, master_params, momentum, grad_scale, found_inf,
+                 lr_tensor);
   check_cuda_params(params, kOp);
   const c10::cuda::CUDAGuard guard(params[0].device());
   const size_t n = params.size();
@@ -103,6 +113,7 @@ void fused_sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   scalars.is_first_step = is_first_step;
   scalars.grad_scale = optional_ptr(grad_scale);
   scalars.found_inf = optional_ptr(found_inf);
+  scalars.lr_device = device_scalar(lr_tensor);
   C10_CUDA_CHECK(kernels::launch_fused_sgd(float_type(params[0].scalar_type(), kOp),
                                            !master_params.empty(), tensors, scalars,
                                            multi_tensor_blocks(),
@@ -112,26 +123,22 @@ void fused_sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
 // Sum of squares of each tensor of a single-dtype group ([k] float32).
 at::Tensor group_sum_squares(const std::vector<at::Tensor>& group) {
   constexpr const char* kOp = "fusetrain::multi_tensor_l2norm";
-  const auto device = group[0].device();
   const int n = static_cast<int>(group.size());
   std::vector<void*> ptrs(n);
   std::vector<int64_t> numel(n);
-  at::Tensor chunk_begin_cpu = at::empty({n + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-  int64_t* begin = chunk_begin_cpu.data_ptr<int64_t>();
-  begin[0] = 0;
+  int64_t chunks = 0;
   for (int i = 0; i < n; ++i) {
     ptrs[i] = group[i].data_ptr();
     numel[i] = group[i].numel();
-    begin[i + 1] = begin[i] + kernels::chunks_of(numel[i]);
+    chunks += kernels::chunks_of(numel[i]);
   }
-  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
-  at::Tensor partials = at::empty({std::max<int64_t>(begin[n], 1)}, f32);
-  at::Tensor chunk_begin = chunk_begin_cpu.to(device, /*non_blocking=*/true);
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(group[0].device());
+  at::Tensor partials = at::empty({std::max<int64_t>(chunks, 1)}, f32);
   at::Tensor per_sq = at::empty({n}, f32);
   C10_CUDA_CHECK(kernels::launch_sum_squares(
       float_type(group[0].scalar_type(), kOp), ptrs.data(), numel.data(), n,
-      partials.data_ptr<float>(), chunk_begin.const_data_ptr<int64_t>(), per_sq.data_ptr<float>(),
-      multi_tensor_blocks(), at::cuda::getCurrentCUDAStream()));
+      partials.data_ptr<float>(), per_sq.data_ptr<float>(), multi_tensor_blocks(),
+      at::cuda::getCurrentCUDAStream()));
   return per_sq;
 }
 
@@ -158,12 +165,11 @@ std::tuple<at::Tensor, at::Tensor> l2norm_cuda(at::TensorList tensors, bool per_
       break;
     }
     if (!per_sq.defined()) per_sq = at::empty({static_cast<int64_t>(tensors.size())}, f32);
-    // The positions travel through pinned memory, asynchronously: a copy from
-    // pageable memory would synchronise the host with the stream.
-    at::Tensor where_cpu = at::empty({static_cast<int64_t>(idx.size())},
-                                     at::TensorOptions().dtype(at::kLong).pinned_memory(true));
-    std::copy(idx.begin(), idx.end(), where_cpu.data_ptr<int64_t>());
-    per_sq.index_copy_(0, where_cpu.to(f32.device(), /*non_blocking=*/true), sq);
+    // Back to the caller's positions; they travel as kernel parameters (no
+    // host sync, capturable).
+    C10_CUDA_CHECK(kernels::launch_scatter(sq.const_data_ptr<float>(), idx.data(),
+                                           static_cast<int>(idx.size()), per_sq.data_ptr<float>(),
+                                           at::cuda::getCurrentCUDAStream()));
   }
   at::Tensor total = per_sq.sum().sqrt();
   return {total, per_tensor ? per_sq.sqrt() : at::empty({0}, f32)};
