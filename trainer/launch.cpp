@@ -9,9 +9,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cerrno>
-#include <climits>
+#include <climits>  // PATH_MAX
 #include <cstring>
 #include <iostream>
 #include <map>

@@ -126,6 +126,33 @@ def test_two_processes_equal_one_process(tmp_path):
     assert abs(records(tmp_path / "one", "eval")[-1]["accuracy"] - records(tmp_path / "two", "eval")[-1]["accuracy"]) < 0.01
 
 
+def test_joins_a_group_from_the_torchrun_environment(tmp_path):
+    # Two ranks started by hand, as torchrun or a scheduler would: each joins
+    # the group the variables describe; rank 0 alone prints and writes.
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = ("--set", "model.name=mlp", "--set", "model.hidden=32", "--epochs", "1")
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([str(BIN), "train", "--config", str(TINY), "--run-dir",
+                                       str(tmp_path / f"run{rank}"), *args],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "2 ranks on cpu (gloo)" in outs[0][0] and outs[1][0] == ""
+    assert checkpoints(tmp_path / "run0") and not (tmp_path / "run1").exists()
+    ok(train(tmp_path / "single", *args))
+    a, b = load(checkpoints(tmp_path / "single")[-1]), load(checkpoints(tmp_path / "run0")[-1])
+    for k in a:
+        if k.startswith("model."):
+            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_two_process_cnn_with_mixed_precision(tmp_path):
     p = ok(train(tmp_path / "run", "--nproc", "2", "--precision", "mixed_bfloat16",
                  "--set", "train.grad_accum=2", "--set", "train.clip_grad_norm=1.0"))
