@@ -32,6 +32,7 @@
 #include <fusetrain/optim/fused.h>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/Parallel.h>
 #include <torch/cuda.h>
 
@@ -698,6 +699,9 @@ at::Tensor Trainer::step_body(const std::vector<at::Tensor>& batch) {
 void Trainer::prepare_fused_steps(int64_t k) {
   graph_mode_ = device_.is_cuda() && k > 1 && config_.get_bool("train.cuda_graphs");
   if (graph_mode_) {
+    // No autocast cast cache across a capture (torch's advice for graphs):
+    // each weight is cast once per forward anyway.
+    at::autocast::set_autocast_cache_enabled(false);
     lr_device_ = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
     if (auto* adamw = dynamic_cast<optim::FusedAdamW*>(optimizer_.get())) {
       adamw->set_lr_tensor(lr_device_);
@@ -708,10 +712,7 @@ void Trainer::prepare_fused_steps(int64_t k) {
   if (k == 1) return;
   graph::FusedStepsOptions o;
   o.steps_per_execution = k;
-  o.use_cuda_graph = graph_mode_;
-  // Eager steps before capture: optimizer state, cuBLAS/cuDNN workspaces and
-  // DDP's first iterations (torch asks for 11) happen outside the graph.
-  o.warmup_executions = std::max<int64_t>(2, (11 + k - 1) / k + 1);
+  o.use_cuda_graph = graph_mode_;  // warm-up: FusedSteps' default, >= 11 eager steps
   fused_ = std::make_unique<graph::FusedSteps>(
       [this](const std::vector<at::Tensor>& batch) { return step_body(batch); }, step_batch(step_),
       o);

@@ -12,6 +12,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <algorithm>
 #include <string>
 #include <utility>
 
@@ -26,6 +27,10 @@ struct FusedSteps::Graph {
 };
 
 namespace {
+
+// Eager iterations torch's DDP needs before a capture (its reducer rebuilds
+// buckets and settles its hooks during the first ones).
+constexpr int64_t kDdpWarmupSteps = 11;
 
 // Why a capture failed, from the error it raised, and what to do.
 [[maybe_unused]] std::string capture_failure(const std::string& what) {
@@ -58,8 +63,13 @@ FusedSteps::FusedSteps(StepFn step, const std::vector<at::Tensor>& sample_batch,
   TORCH_CHECK_VALUE(options.steps_per_execution >= 1,
                     "FusedSteps: steps_per_execution must be >= 1, got ",
                     options.steps_per_execution);
-  TORCH_CHECK_VALUE(options.warmup_executions >= 0,
-                    "FusedSteps: warmup_executions must be >= 0, got ", options.warmup_executions);
+  TORCH_CHECK_VALUE(options.warmup_executions >= -1,
+                    "FusedSteps: warmup_executions must be >= 0 (or -1: automatic), got ",
+                    options.warmup_executions);
+  if (options_.warmup_executions == -1) {
+    const int64_t k = options_.steps_per_execution;
+    options_.warmup_executions = std::max<int64_t>(2, (kDdpWarmupSteps + k - 1) / k);
+  }
   TORCH_CHECK_VALUE(!sample_.empty(), "FusedSteps: sample_batch holds no tensor");
 }
 

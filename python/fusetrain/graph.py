@@ -18,7 +18,7 @@
 On CUDA the K steps are captured once as a CUDA graph that reads a ring of K
 static input buffers, and each execution is one graph replay. The first
 ``warmup_executions`` run eagerly (they allocate optimizer state; DDP needs at
-least 11 eager iterations before capture). What a step reads as a Python
+least 11 eager iterations before capture, which the default ensures). What a step reads as a Python
 number at capture time is frozen into the graph: give the optimizer a tensor
 learning rate (``FusedAdamW(params, lr=torch.tensor(1e-3, device="cuda"))``)
 and change it in place between executions, or call ``reset()`` after
@@ -28,11 +28,14 @@ results equal K unfused calls of the step.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
 __all__ = ["fuse_steps", "FusedSteps"]
+
+# Eager iterations torch's DDP needs before a capture.
+_DDP_WARMUP_STEPS = 11
 
 
 def _as_tensors(batch: Any, where: str) -> List[torch.Tensor]:
@@ -52,11 +55,15 @@ class FusedSteps:
         sample_batch: Any,
         steps_per_execution: int = 1,
         *,
-        warmup_executions: int = 2,
+        warmup_executions: Optional[int] = None,
         use_cuda_graph: bool = True,
     ):
         if steps_per_execution < 1:
             raise ValueError(f"steps_per_execution must be >= 1, got {steps_per_execution}")
+        if warmup_executions is None:
+            # The fewest executions holding 11 eager steps (what DDP needs
+            # before a capture), and at least 2.
+            warmup_executions = max(2, -(-_DDP_WARMUP_STEPS // steps_per_execution))
         if warmup_executions < 0:
             raise ValueError(f"warmup_executions must be >= 0, got {warmup_executions}")
         self.step_fn = step_fn
