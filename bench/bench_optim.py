@@ -25,15 +25,13 @@ CUDA (``--device cuda``)
 
 from __future__ import annotations
 
-import gc
 import math
-import traceback
 
 import torch
 
 import fusetrain.amp
 import fusetrain.optim
-from common import Context, copy_variant, gbps, interleave, median, result, spread
+from common import Context, copy_variant, gbps, guarded, interleave, median, release, result, spread
 
 NAME = "optim"
 
@@ -89,13 +87,6 @@ def clone_params(params: list, dtype=None, grad_dtype=None) -> list:
 
 def _fmt_pct(x: float) -> str:
     return f"{x:.0%}"
-
-
-def _release(ctx: Context) -> None:
-    gc.collect()
-    if ctx.is_cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
 
 def _max_rel_diff(a: list, b: list) -> float:
@@ -172,7 +163,7 @@ def bench_cpu(ctx: Context) -> list:
             )
         )
     del variants, params, fns, base
-    _release(ctx)
+    release(ctx)
     return rows
 
 
@@ -240,7 +231,7 @@ def bench_cuda_master(ctx: Context, label: str, sizes: list) -> list:
             )
         )
     del ours, fused, foreach, ours_params, ref_params, fns
-    _release(ctx)
+    release(ctx)
     return rows
 
 
@@ -303,25 +294,8 @@ def bench_cuda_clip(ctx: Context, sizes: list) -> list:
         repeats=len(times["ours"]),
     )
     del ours, ref, ours_params, ref_params, scalers
-    _release(ctx)
+    release(ctx)
     return [row]
-
-
-def _error_row(name: str, err: BaseException) -> dict:
-    row = result(name, ours=0.0, torch_=None, unit="", higher_is_better=True,
-                 notes=f"ERROR: {type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}")
-    row["ours"] = None
-    row["error"] = traceback.format_exc(limit=3)
-    return row
-
-
-def _guarded(ctx: Context, name: str, fn, *args) -> list:
-    try:
-        return fn(ctx, *args)
-    except Exception as e:  # noqa: BLE001  (one failure must not end the suite)
-        row = _error_row(name, e)
-        _release(ctx)
-        return [row]
 
 
 def bench_cuda(ctx: Context) -> list:
@@ -331,13 +305,13 @@ def bench_cuda(ctx: Context) -> list:
     numel = _cuda_numel(ctx, CUDA_NUMEL, 48)
     big = tensor_sizes(numel, CUDA_TENSORS)
     label = f"{numel / 1e9:.2g}B/{CUDA_TENSORS}"
-    rows += _guarded(ctx, f"AdamW step CUDA {label}, bf16+master", bench_cuda_master, label, big)
+    rows += guarded(ctx, f"AdamW step CUDA {label}, bf16+master", bench_cuda_master, label, big)
     small = tensor_sizes(SMALL_TENSORS * 4096, SMALL_TENSORS, seed=3, spread_factor=100.0)
-    rows += _guarded(ctx, f"AdamW step CUDA {SMALL_TENSORS} small tensors, bf16+master",
+    rows += guarded(ctx, f"AdamW step CUDA {SMALL_TENSORS} small tensors, bf16+master",
                      bench_cuda_master, f"{SMALL_TENSORS} small tensors", small)
     # unscale + clip + step: fp32 both sides, 2 x 16 B/param.
     numel = _cuda_numel(ctx, CUDA_NUMEL, 36)
-    rows += _guarded(ctx, "unscale + clip + AdamW step CUDA fp32", bench_cuda_clip,
+    rows += guarded(ctx, "unscale + clip + AdamW step CUDA fp32", bench_cuda_clip,
                      tensor_sizes(numel, CUDA_TENSORS, seed=4))
     return rows
 

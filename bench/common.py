@@ -13,6 +13,7 @@ counted.
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import re
@@ -20,6 +21,7 @@ import socket
 import statistics
 import subprocess
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
@@ -308,3 +310,37 @@ def machine_slug(info: dict) -> str:
         name = f"{name}-{info['cpu_cores']}c"
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     return slug or "machine"
+
+
+# ------------------------------------------------------------ failures
+
+
+def release(ctx: Context) -> None:
+    """Frees what a benchmark left behind (and the CUDA cache) before the next."""
+    gc.collect()
+    if ctx.is_cuda:
+        torch.cuda.synchronize(ctx.device)
+        torch.cuda.empty_cache()
+
+
+def error_row(name: str, err: BaseException) -> dict:
+    """A row that records a benchmark's failure (its first line, and a short
+    traceback in the JSON) in place of its figures."""
+    first = str(err).splitlines()[0][:160] if str(err) else ""
+    row = result(name, ours=0.0, torch_=None, unit="", higher_is_better=True,
+                 notes=f"ERROR: {type(err).__name__}: {first}")
+    row["ours"] = None
+    row["error"] = traceback.format_exc(limit=4)
+    return row
+
+
+def guarded(ctx: Context, name: str, fn, *args) -> list:
+    """``fn(ctx, *args)``'s rows, or one error row when it raises (out of
+    memory, a failed capture...), so that a module's other rows survive."""
+    try:
+        return fn(ctx, *args)
+    except Exception as e:  # noqa: BLE001  (one failure must not cost the other rows)
+        traceback.print_exc()
+        rows = [error_row(name, e)]
+    release(ctx)  # outside the handler: the traceback no longer holds the tensors
+    return rows
