@@ -48,10 +48,21 @@ std::string shape_str(at::IntArrayRef s) {
 
 std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<at::Tensor>& params,
                                                            size_t first_cap_bytes,
-                                                           size_t cap_bytes) {
+                                                           size_t cap_bytes,
+                                                           const std::vector<size_t>& order) {
+  std::vector<size_t> sequence = order;
+  if (sequence.empty()) {
+    for (size_t k = params.size(); k-- > 0;) sequence.push_back(k);
+  }
+  TORCH_CHECK(sequence.size() == params.size(), "compute_bucket_assignment: the order has ",
+              sequence.size(), " entries for ", params.size(), " parameters");
+  std::vector<char> seen(params.size(), 0);
   std::vector<std::vector<size_t>> buckets;
   size_t bytes = 0;
-  for (size_t k = params.size(); k-- > 0;) {
+  for (const size_t k : sequence) {
+    TORCH_CHECK(k < params.size() && !seen[k], "compute_bucket_assignment: the order is not a "
+                "permutation of the ", params.size(), " parameters (entry ", k, ")");
+    seen[k] = 1;
     const at::Tensor& p = params[k];
     const size_t size = static_cast<size_t>(p.numel()) * p.element_size();
     bool fresh = buckets.empty();
@@ -178,6 +189,10 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
   std::vector<uintptr_t> hook_keys;
 
   std::mutex mutex;
+  // Bucket rebuild (Note [Bucketed gradient reduction]): the order gradients
+  // became ready in during the first synchronised backward.
+  bool rebuilt = false;
+  std::vector<size_t> ready_order;
   bool armed = false;
   bool require_sync = true;
   bool finalize_queued = false;
@@ -196,10 +211,14 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     return f == 1.0 ? 1.0 : static_cast<double>(group->getSize()) / f;
   }
 
-  void build_buckets() {
-    const auto assignment = compute_bucket_assignment(
+  std::vector<std::vector<size_t>> assignment_for(const std::vector<size_t>& order) const {
+    return compute_bucket_assignment(
         params, static_cast<size_t>(options.first_bucket_cap_mb() * (1 << 20)),
-        static_cast<size_t>(options.bucket_cap_mb() * (1 << 20)));
+        static_cast<size_t>(options.bucket_cap_mb() * (1 << 20)), order);
+  }
+
+  void build_buckets(const std::vector<std::vector<size_t>>& assignment) {
+    buckets.clear();
     bucket_of.assign(params.size(), 0);
     slot_of.assign(params.size(), 0);
     for (size_t b = 0; b < assignment.size(); ++b) {
@@ -279,6 +298,7 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     }
     mark_ready(i);
     if (local_used.defined()) local_used.data_ptr<int32_t>()[i] = 1;
+    if (!rebuilt && !options.find_unused_parameters()) ready_order.push_back(i);
   }
 
   void mark_ready(size_t i) {
@@ -308,6 +328,7 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
       b.work.reset();
     }
     if (!armed) return;
+    ready_order.clear();
     if (options.find_unused_parameters()) {
       local_used = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
       // Parameters whose accumulator the outputs cannot reach get no gradient
@@ -384,6 +405,53 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
         }
       }
     }
+    if (!rebuilt && !options.find_unused_parameters()) rebuild_buckets();
+  }
+
+  // Once, after the first synchronised backward: buckets in the order the
+  // gradients became ready in, rank 0's order on every rank (the layouts must
+  // agree for the allreduces to match).
+  void rebuild_buckets() {
+    rebuilt = true;
+    if (ready_order.size() != params.size()) return;  // cannot happen without unused params
+    std::vector<int64_t> order64(ready_order.begin(), ready_order.end());
+    std::vector<at::Tensor> order{
+        at::tensor(order64, at::TensorOptions().dtype(at::kLong))
+            .to(collective_device(group, params))};
+    if (group->getSize() > 1) {
+      c10d::BroadcastOptions opts;
+      opts.rootRank = 0;
+      wait_or_throw(group->broadcast(order, opts), "broadcasting the gradient ready order");
+    }
+    const at::Tensor agreed = order[0].to(at::kCPU);
+    std::vector<size_t> sequence(params.size());
+    for (size_t k = 0; k < sequence.size(); ++k) {
+      sequence[k] = static_cast<size_t>(agreed.const_data_ptr<int64_t>()[k]);
+    }
+    const auto assignment = assignment_for(sequence);
+    if (assignment == current_assignment()) return;
+    // Gradients that live in the old buckets (gradient_as_bucket_view) move
+    // to their new views.
+    std::vector<at::Tensor> moved(params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& g = params[i].grad();
+      if (g.defined() && g.is_alias_of(view_of(i))) moved[i] = g;
+    }
+    std::vector<Bucket> old = std::move(buckets);
+    build_buckets(assignment);
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!moved[i].defined()) continue;
+      at::Tensor view = view_of(i);
+      view.copy_(moved[i]);
+      params[i].mutable_grad() = view;
+    }
+  }
+
+  std::vector<std::vector<size_t>> current_assignment() const {
+    std::vector<std::vector<size_t>> out;
+    for (const auto& b : buckets) out.push_back(b.params);
+    return out;
   }
 };
 
@@ -403,7 +471,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   impl_->names = std::move(names);
   impl_->group = std::move(group);
   impl_->options = options;
-  impl_->build_buckets();
+  impl_->build_buckets(impl_->assignment_for({}));
   impl_->register_hooks(impl_);
 }
 
@@ -421,9 +489,8 @@ void Reducer::set_require_sync(bool require) {
 bool Reducer::require_sync() const { return impl_->require_sync; }
 
 std::vector<std::vector<size_t>> Reducer::bucket_indices() const {
-  std::vector<std::vector<size_t>> out;
-  for (const auto& b : impl_->buckets) out.push_back(b.params);
-  return out;
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->current_assignment();
 }
 
 double Reducer::last_exposed_comm_seconds() const { return impl_->exposed_seconds; }

@@ -15,6 +15,14 @@
 // gradient_as_bucket_view). With a GradScaler the allreduce carries any
 // inf/NaN to every rank, so all ranks skip the same steps with no extra
 // collective.
+//
+// Reverse parameter order is only a guess at the order gradients arrive in
+// (a module registered before it is used, a tied or shared weight, a branch
+// taken late all break it, and a bucket then waits for its slowest member).
+// So, as torch's reducer does, the first synchronised backward records the
+// order the gradients actually became ready in, rank 0's order is broadcast,
+// and the buckets are rebuilt once in that order with the same caps (not with
+// find_unused_parameters, whose order changes between iterations).
 #pragma once
 
 #include <fusetrain/dist/process_group.h>
@@ -53,12 +61,14 @@ struct DDPOptions {
   TORCH_ARG(double, gradient_predivide_factor) = 1.0;
 };
 
-/// Sizes of buckets as lists of parameter indices: parameters in reverse
-/// order, a new bucket when adding one would pass the cap (first bucket:
-/// first_cap_bytes) or when the dtype or device changes. Pure; unit-tested.
+/// Buckets as lists of parameter indices: parameters in `order` (empty:
+/// reverse order), a new bucket when adding one would pass the cap (first
+/// bucket: first_cap_bytes) or when the dtype or device changes. Pure;
+/// unit-tested.
 std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<at::Tensor>& params,
                                                            size_t first_cap_bytes,
-                                                           size_t cap_bytes);
+                                                           size_t cap_bytes,
+                                                           const std::vector<size_t>& order = {});
 
 /// Checks that every rank has the same number of parameters with the same
 /// shapes; raises on every rank, naming the first mismatch, instead of hanging.
@@ -89,7 +99,9 @@ class Reducer {
   void set_require_sync(bool require);
   bool require_sync() const;
 
-  /// The bucket layout (parameter indices per bucket), for tests and tools.
+  /// The bucket layout (parameter indices per bucket), for tests and tools:
+  /// reverse parameter order until the first synchronised backward, the
+  /// order gradients became ready in after it.
   std::vector<std::vector<size_t>> bucket_indices() const;
 
   /// Seconds the last synchronised backward spent, after its last gradient

@@ -176,5 +176,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("broadcast_from_rank0", &dist::broadcast_from_rank0, py::arg("process_group"),
         py::arg("tensors"), py::call_guard<py::gil_scoped_release>());
   m.def("compute_bucket_assignment", &dist::compute_bucket_assignment, py::arg("params"),
-        py::arg("first_cap_bytes"), py::arg("cap_bytes"));
+        py::arg("first_cap_bytes"), py::arg("cap_bytes"), py::arg("order") = std::vector<size_t>{});
 }

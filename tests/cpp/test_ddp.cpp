@@ -474,6 +474,12 @@ TEST_CASE("compute_bucket_assignment", "[dist][ddp]") {
   REQUIRE(compute_bucket_assignment(tensors_of_sizes({{10, f}, {10, f}, {10, d}, {10, f}}), 1 << 20,
                                     1 << 20) == Layout{{3}, {2}, {1, 0}});
   REQUIRE(compute_bucket_assignment({}, 80, 80).empty());
+  // An explicit order (the rebuild after the first backward): same caps.
+  const auto four = tensors_of_sizes({{10, f}, {10, f}, {10, f}, {10, f}});
+  REQUIRE(compute_bucket_assignment(four, 80, 120, {1, 0, 3, 2}) == Layout{{1, 0}, {3, 2}});
+  CHECK_THROWS_WITH(compute_bucket_assignment(four, 80, 120, {1, 0, 3}), Contains("3 entries"));
+  CHECK_THROWS_WITH(compute_bucket_assignment(four, 80, 120, {1, 1, 3, 2}),
+                    Contains("not a permutation"));
 }
 
 TEST_CASE("Environment::from_env reads the torchrun variables", "[dist][ddp]") {

@@ -115,6 +115,21 @@ class Branchy(nn.Module):
         return out + self.b(h) if use_b else out
 
 
+class Reordered(nn.Module):
+    """Registered head first, used last: reverse registration order puts the
+    body's gradients (ready last) in the first bucket, so the reducer
+    rebuilds its buckets after the first backward. head.weight (1.2 MB) is
+    past the 1 MB first bucket."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(600, 500)
+        self.body = nn.Linear(17, 600)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(x)))
+
+
 class WithUnused(nn.Module):
     def __init__(self):
         super().__init__()
@@ -202,6 +217,43 @@ def sc_equivalence(pg, rank, world):
         "moved": _max_diff(ours_m.parameters(), _uneven_seed0().parameters()),
         "params": _flat(ours_m.parameters()),
     }
+
+
+def sc_rebuilt_buckets(pg, rank, world):
+    """After the first synchronised backward the buckets follow the order the
+    gradients became ready in (head before body), the same on every rank;
+    training still equals one process, with and without bucket views."""
+    from fusetrain import _C
+    from fusetrain.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ref = Reordered()
+    out = {}
+    for view in (False, True):
+        model, single = copy.deepcopy(ref), copy.deepcopy(ref)
+        ddp = DDP(model, process_group=pg, bucket_cap_mb=BUCKET_CAP_MB, gradient_as_bucket_view=view)
+        before = ddp.bucket_indices()
+        opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (model, single)]
+        for step in range(6):
+            x, y = _batch(step, 4 * world, 17, 500)
+            for m, opt in zip((ddp, single), opts):
+                opt.zero_grad()
+                xb, yb = (_shard(x, rank, world), _shard(y, rank, world)) if m is ddp else (x, y)
+                F.mse_loss(m(xb), yb).backward()
+                opt.step()
+            if step == 0:
+                after = ddp.bucket_indices()
+        order = [i for bucket in after for i in bucket]
+        out[view] = {
+            "before": before,
+            "after": after,
+            "final": ddp.bucket_indices(),
+            "consistent": after == _C.compute_bucket_assignment(
+                list(model.parameters()), 1 << 20, int(BUCKET_CAP_MB * (1 << 20)), order),
+            "err": _max_diff(model.parameters(), single.parameters()),
+            "grads_are_views": view and all(p.grad._base is not None for p in model.parameters()),
+        }
+    return out
 
 
 def sc_no_sync(pg, rank, world):
@@ -802,7 +854,7 @@ def sc_nccl_world1(pg, rank, world):
 
 
 SUITES = {
-    "core": [sc_equivalence, sc_no_sync, sc_predivide, sc_diverged_init, sc_mismatched_shapes, sc_unused_error,
+    "core": [sc_equivalence, sc_rebuilt_buckets, sc_no_sync, sc_predivide, sc_diverged_init, sc_mismatched_shapes, sc_unused_error,
              sc_find_unused, sc_comm_bf16, sc_grad_as_bucket_view, sc_grad_scaler, sc_state_dict,
              sc_overlap, sc_gil_release],
     "dead_rank": [sc_dead_rank],
@@ -960,6 +1012,23 @@ def test_equals_single_process_and_torch_ddp(core):
         assert d["grad_err_vs_torch"] <= FP32_TOL
     params = [d["params"] for d in findings(results, "equivalence")]
     assert all(torch.equal(params[0], p) for p in params), "ranks' parameters differ"
+
+
+def test_buckets_are_rebuilt_in_gradient_ready_order(core):
+    world, results = core
+    data = findings(results, "rebuilt_buckets")
+    head, body = {0, 1}, {2, 3}  # head.weight, head.bias, body.weight, body.bias
+    for rank, d in enumerate(data):
+        for view, r in d.items():
+            flat_before = [i for b in r["before"] for i in b]
+            flat_after = [i for b in r["after"] for i in b]
+            assert flat_before == [3, 2, 1, 0], r["before"]  # reverse registration order
+            assert set(flat_after[:2]) == head and set(flat_after[2:]) == body, r["after"]
+            assert r["consistent"] and r["final"] == r["after"], "rebuilt more than once"
+            assert r["after"] == data[0][view]["after"], f"rank {rank}'s layout differs from rank 0's"
+            assert r["err"] <= FP32_TOL, f"rank {rank}, gradient_as_bucket_view={view}: {r['err']}"
+            if view:
+                assert r["grads_are_views"]
 
 
 def test_no_sync_accumulation_equals_one_large_batch(core):
