@@ -8,10 +8,12 @@ A drop-in for ``torch.nn.parallel.DistributedDataParallel`` over any
     loss_fn(model(x), y).backward()   # gradients averaged when it returns
 
 Gradients are bucketed (about 1 MB first, then ``bucket_cap_mb``, in reverse
-parameter order), divided by the world size while copied into the bucket, and
-each bucket's allreduce starts from an autograd hook as soon as its last
-gradient is ready, overlapping the rest of the backward pass. Buckets are
-reduced strictly in order on every rank.
+parameter order until the first backward, then once more in the order the
+gradients became ready in, rank 0's, as torch's reducer does), divided by the
+world size while copied into the bucket, and each bucket's allreduce starts
+from an autograd hook as soon as its last gradient is ready, overlapping the
+rest of the backward pass. Buckets are reduced strictly in order on every
+rank.
 
 With a GradScaler the allreduce carries any inf/NaN of one rank's gradients
 to every rank (a sum with inf or NaN is inf or NaN), so every rank's
