@@ -7,7 +7,9 @@
 #ifdef FUSETRAIN_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -96,6 +98,70 @@ at::Tensor FusedSteps::run_eager(const std::vector<std::vector<at::Tensor>>& bat
   return at::stack(outs);
 }
 
+#ifdef FUSETRAIN_WITH_CUDA
+void FusedSteps::capture(const std::vector<std::vector<at::Tensor>>& batches) {
+  auto g = std::make_unique<Graph>();
+  for (const auto& b : batches) {
+    std::vector<at::Tensor> copy;
+    for (const auto& t : b) copy.push_back(t.clone());
+    g->inputs.push_back(std::move(copy));
+  }
+  // Capture on a side stream (the current stream may be the legacy default
+  // stream, which cannot be captured); the caller's stream waits for it.
+  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+  const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream();
+  at::cuda::CUDAEvent inputs_ready;  // the static inputs' copies come before capture
+  inputs_ready.record(caller);
+  inputs_ready.block(side);
+  const auto pool = at::cuda::graph_pool_handle();
+  const c10::DeviceIndex device = side.device_index();
+  // What CUDAGraph::capture_end skips when cudaStreamEndCapture fails: the
+  // allocators would stay in capture mode for the rest of the process.
+  auto abandon = [&] {
+    try {
+      c10::cuda::CUDACachingAllocator::endAllocateToPool(device, pool);
+    } catch (const std::exception&) {
+      return;  // capture_end got past it; the graph's reset() releases the pool
+    }
+    try {
+      at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(pool);
+    } catch (const std::exception&) {
+    }
+    c10::cuda::CUDACachingAllocator::releasePool(device, pool);
+  };
+  {
+    const c10::cuda::CUDAStreamGuard on_side(side);
+    // Thread-local: CUDA calls of other threads (a data loader pinning
+    // memory) neither break the capture nor fail because of it.
+    g->graph.capture_begin(pool, cudaStreamCaptureModeThreadLocal);
+    try {
+      std::vector<at::Tensor> outs;
+      for (const auto& b : g->inputs) outs.push_back(step_(b));
+      g->outputs = at::stack(outs);
+    } catch (const std::exception& e) {
+      // End the capture whatever happened (an invalidated capture fails to
+      // end; that error says less than the first one), then explain.
+      try {
+        g->graph.capture_end();
+      } catch (const std::exception&) {
+        abandon();
+      }
+      TORCH_CHECK(false, capture_failure(e.what()));
+    }
+    try {
+      g->graph.capture_end();
+    } catch (const std::exception& e) {
+      abandon();
+      TORCH_CHECK(false, capture_failure(e.what()));
+    }
+  }
+  at::cuda::CUDAEvent captured;
+  captured.record(side);
+  captured.block(caller);
+  graph_ = std::move(g);
+}
+#endif
+
 bool FusedSteps::captured() const { return graph_ != nullptr; }
 
 void FusedSteps::reset() { graph_.reset(); }
@@ -111,43 +177,10 @@ at::Tensor FusedSteps::run(const std::vector<std::vector<at::Tensor>>& batches) 
     return run_eager(batches);
   }
 #ifdef FUSETRAIN_WITH_CUDA
-  if (!graph_) {
-    auto g = std::make_unique<Graph>();
-    for (const auto& b : batches) {
-      std::vector<at::Tensor> copy;
-      for (const auto& t : b) copy.push_back(t.clone());
-      g->inputs.push_back(std::move(copy));
-    }
-    // Capture on a side stream (the current stream may be the legacy default
-    // stream, which cannot be captured); the caller's stream waits for it.
-    const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
-    const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream();
-    at::cuda::CUDAEvent inputs_ready;  // the static inputs' copies come before capture
-    inputs_ready.record(caller);
-    inputs_ready.block(side);
-    {
-      const c10::cuda::CUDAStreamGuard on_side(side);
-      g->graph.capture_begin();
-      try {
-        std::vector<at::Tensor> outs;
-        for (const auto& b : g->inputs) outs.push_back(step_(b));
-        g->outputs = at::stack(outs);
-      } catch (const std::exception& e) {
-        // End the capture whatever happened (an invalidated capture fails to
-        // end; that error says less than the first one), then explain.
-        try {
-          g->graph.capture_end();
-        } catch (const std::exception&) {
-        }
-        TORCH_CHECK(false, capture_failure(e.what()));
-      }
-      g->graph.capture_end();
-    }
-    at::cuda::CUDAEvent captured;
-    captured.record(side);
-    captured.block(caller);
-    graph_ = std::move(g);
-  }
+  // The batches' device, whatever the current one is: a capture on another
+  // device's stream would record nothing and replay nothing.
+  const c10::cuda::CUDAGuard device_guard(sample_[0].device());
+  if (!graph_) capture(batches);
   for (size_t i = 0; i < batches.size(); ++i) {
     for (size_t t = 0; t < batches[i].size(); ++t) {
       graph_->inputs[i][t].copy_(batches[i][t], /*non_blocking=*/true);

@@ -52,6 +52,8 @@ class FusedSteps {
 
  private:
   at::Tensor run_eager(const std::vector<std::vector<at::Tensor>>& batches);
+  /// Captures K steps over static copies of `batches` (CUDA builds only).
+  void capture(const std::vector<std::vector<at::Tensor>>& batches);
   void check_batch(const std::vector<at::Tensor>& batch, size_t index) const;
 
   StepFn step_;

@@ -90,7 +90,10 @@ __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker,
       *overflow_tracker += 1;
     }
   } else if (*growth_tracker + 1 == growth_interval) {
-    const float grown = static_cast<float>(fmin(*scale * growth_factor, max_scale));
+    // std::min's NaN semantics (the CPU reference's): a NaN scale stays NaN
+    // and is refused below, where fmin would replace it with max_scale.
+    const double wanted = *scale * growth_factor;
+    const float grown = static_cast<float>(max_scale < wanted ? max_scale : wanted);
     if (isfinite(grown)) *scale = grown;
     *growth_tracker = 0;
     *overflow_tracker = 0;

@@ -89,7 +89,10 @@ cudaError_t multi_tensor_apply(void* const* const* ptrs, const int64_t* numel, i
       meta.first_chunk[k] = chunks;
       chunks += static_cast<int32_t>(tensor_chunks);
     }
-    if (meta.num_tensors == 0) continue;
+    if (meta.num_tensors == 0) {
+      if (i < n) return cudaErrorInvalidValue;  // one tensor of more than 2^31 chunks
+      continue;                                 // only empty tensors were left
+    }
     meta.first_chunk[meta.num_tensors] = chunks;
     meta.chunk_offset = chunks_before;
     chunks_before += chunks;

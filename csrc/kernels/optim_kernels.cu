@@ -81,8 +81,10 @@ struct AdamOp {
     const double step = static_cast<double>(*static_cast<const float*>(meta.ptrs[6][t])) + 1.0;
     const double lr = read_or(s.lr_device, s.lr);
     // As the host forms it (csrc/ops/cuda/optim_cuda.cpp), in double, rounded once.
-    const float decay =
-        s.lr_device.ptr != nullptr ? static_cast<float>(1.0 - lr * s.weight_decay64) : s.decay;
+    // No FMA contraction: the host rounds the product, then the difference.
+    const float decay = s.lr_device.ptr != nullptr
+                            ? static_cast<float>(__dsub_rn(1.0, __dmul_rn(lr, s.weight_decay64)))
+                            : s.decay;
     const float step_size = static_cast<float>(lr / (1.0 - pow(s.beta1, step)));
     const float bc2_sqrt = static_cast<float>(sqrt(1.0 - pow(s.beta2, step)));
     const float inv_scale = s.grad_scale != nullptr ? 1.f / *s.grad_scale : 1.f;
@@ -120,7 +122,7 @@ struct AdamOp {
         rv[k] = beta2 * rv[k] + s.one_minus_beta2 * grad * grad;
         float second = rv[k];
         if (vmax != nullptr) {
-          rx[k] = fmaxf(rx[k], rv[k]);
+          rx[k] = rx[k] < rv[k] ? rv[k] : rx[k];  // std::max(vmax, v): a NaN vmax stays
           second = rx[k];
         }
         const float denom = sqrtf(second) / bc2_sqrt + s.eps;
@@ -170,7 +172,7 @@ struct SgdOp {
     if (s.found_inf != nullptr && *s.found_inf != 0.f) return;
     P* p = static_cast<P*>(meta.ptrs[0][t]) + start;
     const P* g = static_cast<const P*>(meta.ptrs[1][t]) + start;
-    S* buf = s.momentum != 0.f ? static_cast<S*>(meta.ptrs[2][t]) + start : nullptr;
+    S* buf = s.has_buffer ? static_cast<S*>(meta.ptrs[2][t]) + start : nullptr;
     float* master = meta.ptrs[3][t] != nullptr ? static_cast<float*>(meta.ptrs[3][t]) + start
                                                : nullptr;
     const float inv_scale = s.grad_scale != nullptr ? 1.f / *s.grad_scale : 1.f;

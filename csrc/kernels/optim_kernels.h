@@ -67,6 +67,7 @@ struct SgdScalars {
   DeviceScalar lr_device;  // replaces lr when set
   float one_minus_dampening;  // formed in double by the caller, rounded once
   bool nesterov, maximize, is_first_step;
+  bool has_buffer;  // momentum_buffers given (momentum != 0)
   const float* grad_scale;
   const float* found_inf;
 };

@@ -105,6 +105,11 @@ struct FusedSGDParamState
   void serialize(torch::serialize::OutputArchive& archive) const override;
 };
 
+/// SGD with momentum as torch.optim.SGD: the first step starts each momentum
+/// buffer from the gradient. One difference: when that first step is skipped
+/// for an overflow (found_inf, on the device), the buffer stays zero and the
+/// next step blends the gradient into it, which differs from torch only with
+/// dampening != 0.
 class FusedSGD : public torch::optim::Optimizer, public amp::AmpScalingOptimizer {
  public:
   explicit FusedSGD(std::vector<torch::optim::OptimizerParamGroup> param_groups,

@@ -138,18 +138,39 @@ class FusedSteps:
         return self._static_outputs.clone()
 
     def _capture(self, batches: List[List[torch.Tensor]]) -> None:
-        self._static_inputs = [[t.clone() for t in b] for b in batches]
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        try:
-            with torch.cuda.graph(graph, stream=side):
-                self._static_outputs = torch.stack([self._call(b) for b in self._static_inputs])
-        except Exception as e:
-            self.reset()
-            raise RuntimeError(_capture_failure(e)) from e
-        torch.cuda.current_stream().wait_stream(side)
+        # On the batches' device, whatever the current one is: a capture on
+        # another device's stream would record nothing and replay nothing.
+        with torch.cuda.device(self._sample[0].device):
+            caller = torch.cuda.current_stream()
+            self._static_inputs = [[t.clone() for t in b] for b in batches]
+            graph = torch.cuda.CUDAGraph()
+            pool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream()
+            side.wait_stream(caller)
+            try:
+                # thread_local: CUDA calls of other threads (a DataLoader's
+                # pin-memory thread) neither break the capture nor fail.
+                with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+                    self._static_outputs = torch.stack([self._call(b) for b in self._static_inputs])
+            except Exception as e:
+                _abandon_capture(caller, pool)
+                self.reset()
+                raise RuntimeError(_capture_failure(e)) from e
+            caller.wait_stream(side)
         self._graph = graph
+
+
+def _abandon_capture(caller: torch.cuda.Stream, pool) -> None:
+    """What torch skips when ending a failed capture raises: the caller's
+    stream back as the current one, the allocator out of capture mode and
+    the graph's memory pool released."""
+    torch.cuda.set_stream(caller)
+    device = torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(device, pool)
+    except RuntimeError:
+        return  # the capture got past it: the graph's own reset releases the pool
+    torch._C._cuda_releasePool(device, pool)
 
 
 def _capture_failure(e: BaseException) -> str:

@@ -111,6 +111,7 @@ void fused_sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   scalars.nesterov = nesterov;
   scalars.maximize = maximize;
   scalars.is_first_step = is_first_step;
+  scalars.has_buffer = !momentum_buffers.empty();
   scalars.grad_scale = optional_ptr(grad_scale);
   scalars.found_inf = optional_ptr(found_inf);
   scalars.lr_device = device_scalar(lr_tensor);
