@@ -167,6 +167,48 @@ def bench_cpu(ctx: Context) -> list:
     return rows
 
 
+def bench_cpu_sgd_norm(ctx: Context) -> list:
+    """FusedSGD (momentum, weight decay) against torch's fused CPU SGD, and
+    multi_tensor_l2norm against torch's foreach norms, fp32 and bf16."""
+    sizes = tensor_sizes(CPU_NUMEL, CPU_TENSORS, seed=5)
+    rows = []
+    for dtype, width in ((torch.float32, 4), (torch.bfloat16, 2)):
+        tag = "fp32" if dtype == torch.float32 else "bf16"
+        base = make_params(sizes, ctx.device, dtype, seed=6)
+        sgd = dict(lr=1e-2, momentum=0.9, weight_decay=1e-4)
+        ours = fusetrain.optim.FusedSGD(base, **sgd)
+        ref = torch.optim.SGD(clone_params(base), fused=True, **sgd)
+        grads = [p.grad for p in base]
+
+        def torch_norm():
+            return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+
+        fns = {
+            "sgd ours": ours.step,
+            "sgd torch": ref.step,
+            "norm ours": lambda: torch.ops.fusetrain.multi_tensor_l2norm(grads, False),
+            "norm torch": torch_norm,
+        }
+        times = interleave(fns, ctx, cold=True)
+        # SGD with momentum reads p, g, buf and writes p, buf; a norm reads g.
+        for kind, nbytes, what in (
+            ("sgd", CPU_NUMEL * width * 5, f"SGD momentum step CPU {tag}, vs torch fused"),
+            ("norm", CPU_NUMEL * width, f"L2 norm CPU {tag}, vs torch foreach_norm"),
+        ):
+            a, b = times[f"{kind} ours"], times[f"{kind} torch"]
+            rows.append(result(
+                what, ours=gbps(nbytes, median(a)), torch_=gbps(nbytes, median(b)), unit="GB/s",
+                higher_is_better=True,
+                notes=(f"{CPU_NUMEL / 1e6:.0f}M {tag} params / {CPU_TENSORS} tensors, {ctx.threads} threads; "
+                       f"ours {median(a) * 1e3:.2f} ms, torch {median(b) * 1e3:.2f} ms"),
+                ms_ours=median(a) * 1e3, ms_torch=median(b) * 1e3, best_ms_ours=min(a) * 1e3,
+                best_ms_torch=min(b) * 1e3, spread_ours=spread(a), spread_torch=spread(b),
+                bytes_moved=nbytes, threads=ctx.threads, repeats=len(a)))
+        del ours, ref, base, grads, fns
+        release(ctx)
+    return rows
+
+
 # ------------------------------------------------------------------ CUDA
 
 
@@ -319,4 +361,4 @@ def bench_cuda(ctx: Context) -> list:
 def run(ctx: Context) -> list:
     if ctx.is_cuda:
         return bench_cuda(ctx)
-    return bench_cpu(ctx)
+    return bench_cpu(ctx) + bench_cpu_sgd_norm(ctx)

@@ -810,20 +810,24 @@ def test_fused_adamw_op_step_matches_float64_maths(dtype_master, mode, amsgrad, 
 
 @pytest.mark.parametrize("nesterov", [False, True], ids=["momentum", "nesterov"])
 @pytest.mark.parametrize("dtype_master", ["fp32", "bf16", "bf16_master", "fp16_master", "fp64"])
-def test_fused_sgd_op_step_matches_float64_maths(dtype_master, nesterov):
+@pytest.mark.parametrize("first", [False, True], ids=["running", "first_step"])
+def test_fused_sgd_op_step_matches_float64_maths(dtype_master, nesterov, first):
     pdtype, master = DTYPE_MASTER[dtype_master]
     src = _op_case(pdtype, master, amsgrad=False, seed=2)
     case = dict(params=src["params"], grads=src["grads"], bufs=src["exp_avgs"], masters=src["master_params"])
+    if first:
+        for b in case["bufs"]:
+            b.fill_(NAN)  # a first step only writes the buffers
     before = copy.deepcopy(case)
     lr, mom, damp, wd = 0.05, 0.9, 0.0 if nesterov else 0.2, 0.01
     torch.ops.fusetrain.fused_sgd_(case["params"], case["grads"], case["bufs"], case["masters"], lr=lr,
                                    momentum=mom, dampening=damp, weight_decay=wd, nesterov=nesterov,
-                                   maximize=True, is_first_step=False, grad_scale=torch.full((), 4.0))
+                                   maximize=True, is_first_step=first, grad_scale=torch.full((), 4.0))
     d = torch.float64
     for i in range(len(OP_SIZES)):
         p = (before["masters"][i] if master else before["params"][i]).to(d)
         grad = -before["grads"][i].to(d) / 4.0 + wd * p
-        buf = mom * before["bufs"][i].to(d) + (1 - damp) * grad
+        buf = grad if first else mom * before["bufs"][i].to(d) + (1 - damp) * grad
         step = grad + mom * buf if nesterov else buf
         p = p - lr * step
         _assert_near_reference(case["bufs"][i], buf, f"momentum_buffers[{i}]")
