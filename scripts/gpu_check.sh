@@ -63,8 +63,11 @@ timeout "$(cap_for 90 180)" "$BUILD"/fusetrain_tests > "$OUTDIR/gpu_cpp_tests.lo
 grep -E "CUDA is not available|FAILED|passed|failed" "$OUTDIR/gpu_cpp_tests.log" | tail -5
 
 stamp "Python CUDA tests"
+# A per-test limit where pytest-timeout is installed (the GPU box has it).
+per_test=()
+"$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=120)
 timeout "$(cap_for 150 150)" "$PY" -m pytest tests/python -q -p no:cacheprovider -k "cuda or nccl or graph" \
-  --timeout=120 -rfE > "$OUTDIR/gpu_py_tests.log" 2>&1 ||
+  "${per_test[@]}" -rfE > "$OUTDIR/gpu_py_tests.log" 2>&1 ||
   fail "Python tests"
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUTDIR/gpu_py_tests.log" | tail -15
 
