@@ -9,9 +9,22 @@
 # On the device tool: carry [".gpu-deps"] (scripts/stage-gpu-deps.sh makes it
 # here first: headers, libraries and Fashion-MNIST the box lacks) and run
 # `bash scripts/gpu_check.sh`. The CPU-only tests are CI's job, not this one's.
+#
+# `bash scripts/gpu_check.sh test` stops after the tests and `... bench` skips
+# them: two calls on a warm machine (the build in build-gpu/ stays between
+# calls, so the second one only relinks) split one long run into two that
+# each fit a device call with room to spare.
 # $OUT gets 7 logs and the day's results JSON (the device tool returns 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+WHAT=${1:-all}
+case "$WHAT" in all | test | bench) ;; *) echo "usage: $0 [all|test|bench]"; exit 2 ;; esac
+# Seconds each stage leaves for the stages after it (see cap_for).
+case "$WHAT" in
+  all) after_build=200 after_cpp=180 after_py=150 ;;
+  test) after_build=150 after_cpp=120 after_py=0 ;;
+  bench) after_build=150 after_cpp=0 after_py=0 ;;
+esac
 PY=${PYTHON:-python3}
 RESULTS=bench/results
 OUTDIR=${OUT:-$RESULTS}
@@ -45,7 +58,7 @@ fi
 stamp "configure + build (CUDA, sm_90)"
 prefix="$PWD/.gpu-deps"
 export LD_LIBRARY_PATH="$prefix/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-timeout "$(cap_for 300 200)" bash -c "cmake -S . -B '$BUILD' -G Ninja -DPython3_EXECUTABLE='$(command -v "$PY")' \
+timeout "$(cap_for 300 $after_build)" bash -c "cmake -S . -B '$BUILD' -G Ninja -DPython3_EXECUTABLE='$(command -v "$PY")' \
   -DCMAKE_PREFIX_PATH='$prefix' -DTORCH_CUDA_ARCH_LIST=9.0 -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DCMAKE_BUILD_TYPE=Release && cmake --build '$BUILD' -j $(nproc)" > "$OUTDIR/gpu_build.log" 2>&1
 if [ $? -ne 0 ]; then
@@ -58,18 +71,22 @@ export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 export FUSETRAIN_BUILD_DIR="$PWD/$BUILD"
 "$BUILD"/fusetrain info
 
+if [ "$WHAT" != bench ]; then
 stamp "C++ tests"
-timeout "$(cap_for 90 180)" "$BUILD"/fusetrain_tests > "$OUTDIR/gpu_cpp_tests.log" 2>&1 || fail "C++ tests"
+timeout "$(cap_for 90 $after_cpp)" "$BUILD"/fusetrain_tests > "$OUTDIR/gpu_cpp_tests.log" 2>&1 || fail "C++ tests"
 grep -E "CUDA is not available|FAILED|passed|failed" "$OUTDIR/gpu_cpp_tests.log" | tail -5
 
 stamp "Python CUDA tests"
 # A per-test limit where pytest-timeout is installed (the GPU box has it).
 per_test=()
 "$PY" -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout=120)
-timeout "$(cap_for 150 150)" "$PY" -m pytest tests/python -q -p no:cacheprovider -k "cuda or nccl or graph" \
+timeout "$(cap_for 150 $after_py)" "$PY" -m pytest tests/python -q -p no:cacheprovider -k "cuda or nccl or graph" \
   "${per_test[@]}" -rfE > "$OUTDIR/gpu_py_tests.log" 2>&1 ||
   fail "Python tests"
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUTDIR/gpu_py_tests.log" | tail -15
+fi
+
+if [ "$WHAT" != test ]; then
 
 # The headline modules first (step fusion, end to end, the trainer with
 # graphs), then the rest of the suite in what time is left.
@@ -96,5 +113,6 @@ fi
 stamp "summary"
 tail -45 "$OUTDIR/gpu_bench.log"
 tail -25 "$OUTDIR/gpu_bench_rest.log"
+fi
 stamp "done (status $status)"
 exit $status
