@@ -1066,7 +1066,11 @@ int run_eval(const std::string& checkpoint, const std::vector<std::string>& over
                       data.is_tokens ? "tokens" : "samples", policy.name().c_str(),
                       duration_text(std::chrono::duration<double>(Clock::now() - t0).count()).c_str());
   if (!predictions_path.empty()) {
-    write_checkpoint(predictions_path, {{"logits", at::cat(logits)}, {"targets", data.test.targets.cpu()}});
+    // The inputs as the model saw them (normalised images, or token ids), so
+    // the predictions can be checked against a rebuilt model.
+    write_checkpoint(predictions_path, {{"logits", at::cat(logits)},
+                                        {"targets", data.test.targets.cpu()},
+                                        {"inputs", data.test.inputs.cpu()}});
     std::cout << "predictions: " << predictions_path << "\n";
   }
   return 0;

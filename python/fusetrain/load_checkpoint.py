@@ -8,8 +8,8 @@ buffers, ``optim.*`` the optimizer state, ``scaler.*`` the loss scaler,
 resolved run configuration (text stored as a uint8 tensor).
 
 ``load_model`` rebuilds the trained network as an ordinary ``torch.nn.Module``
-(``mlp`` and ``cnn``, with the C++ models' parameter names and shapes) that
-gives the trainer's predictions::
+(``mlp``, ``cnn``, ``resnet`` and ``gpt``, with the C++ models' parameter
+names and shapes) that gives the trainer's predictions::
 
     from fusetrain.load_checkpoint import load_model, preprocess
     model = load_model("runs/fashion_mnist-20250101-120000/checkpoints/step_00003744.pt")
@@ -135,13 +135,122 @@ class Cnn(nn.Module):
         return self.head(self.classifier(self.features(x)))
 
 
+def _conv(cin: int, cout: int, k: int, stride: int) -> nn.Conv2d:
+    return nn.Conv2d(cin, cout, k, stride=stride, padding=k // 2, bias=False)
+
+
+def _shortcut(cin: int, cout: int, stride: int):
+    if stride == 1 and cin == cout:
+        return None
+    return nn.Sequential(_conv(cin, cout, 1, stride), nn.BatchNorm2d(cout))
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, cin: int, planes: int, stride: int):
+        super().__init__()
+        self.conv1, self.bn1 = _conv(cin, planes, 3, stride), nn.BatchNorm2d(planes)
+        self.conv2, self.bn2 = _conv(planes, planes, 3, 1), nn.BatchNorm2d(planes)
+        self.downsample = _shortcut(cin, planes, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return torch.relu(out + (self.downsample(x) if self.downsample is not None else x))
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, cin: int, planes: int, stride: int):
+        super().__init__()
+        self.conv1, self.bn1 = _conv(cin, planes, 1, 1), nn.BatchNorm2d(planes)
+        self.conv2, self.bn2 = _conv(planes, planes, 3, stride), nn.BatchNorm2d(planes)
+        self.conv3, self.bn3 = _conv(planes, planes * 4, 1, 1), nn.BatchNorm2d(planes * 4)
+        self.downsample = _shortcut(cin, planes * 4, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        out = torch.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return torch.relu(out + (self.downsample(x) if self.downsample is not None else x))
+
+
+class ResNet(nn.Module):
+    """The trainer's ``resnet``: the CIFAR variant (3x3 stem, no max pooling),
+    four stages of BasicBlocks (depth 18) or Bottlenecks (depth 50), global
+    average pooling, the head."""
+
+    def __init__(self, input_shape: List[int], depth: int, width: int, classes: int):
+        super().__init__()
+        block = BasicBlock if depth == 18 else Bottleneck
+        blocks = [2, 2, 2, 2] if depth == 18 else [3, 4, 6, 3]
+        self.conv1, self.bn1 = _conv(input_shape[0], width, 3, 1), nn.BatchNorm2d(width)
+        cin = width
+        for stage, count in enumerate(blocks):
+            planes = width << stage
+            layer = []
+            for b in range(count):
+                layer.append(block(cin, planes, 2 if stage > 0 and b == 0 else 1))
+                cin = planes * block.expansion
+            setattr(self, f"layer{stage + 1}", nn.Sequential(*layer))
+        self.head = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        for stage in range(1, 5):
+            out = getattr(self, f"layer{stage}")(out)
+        return self.head(out.mean((2, 3)))
+
+
+class GptBlock(nn.Module):
+    def __init__(self, d: int, heads: int, dropout: float):
+        super().__init__()
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln2, self.fc, self.fc_proj = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.heads, self.dropout = heads, dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        p = self.dropout if self.training else 0.0
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        h = x + torch.nn.functional.dropout(self.proj(y.transpose(1, 2).reshape(b, t, d)), p, self.training)
+        mlp = self.fc_proj(torch.nn.functional.gelu(self.fc(self.ln2(h))))
+        return h + torch.nn.functional.dropout(mlp, p, self.training)
+
+
+class Gpt(nn.Module):
+    """The trainer's ``gpt``: byte-level (256 tokens), learned positions,
+    pre-LN blocks with causal attention and a 4x GELU MLP, final LayerNorm,
+    the head; logits ``[N, T, 256]`` for token ids ``[N, T]``."""
+
+    def __init__(self, vocab: int, d_model: int, heads: int, layers: int, seq_len: int, dropout: float):
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab, d_model)
+        self.pos_emb = nn.Parameter(torch.zeros(seq_len, d_model))
+        self.blocks = nn.ModuleList(GptBlock(d_model, heads, dropout) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.pos_emb.shape[0]:
+            raise ValueError(f"gpt: a sequence of {t} tokens is longer than model.seq_len={self.pos_emb.shape[0]}")
+        x = self.tok_emb(idx) + self.pos_emb[:t]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
 def _input_shape(config) -> List[int]:
     data = config["data"]
     if data["name"] == "fashion_mnist":
         return [1, 28, 28]
     if data["name"] == "synthetic_images":
         return [int(data["channels"]), int(data["image_size"]), int(data["image_size"])]
-    raise ValueError(f"data.name={data['name']} is token data; load_model rebuilds image models (mlp, cnn)")
+    raise ValueError(f"data.name={data['name']} is token data: only a gpt reads it")
 
 
 def _as_list(v) -> List[int]:
@@ -149,17 +258,21 @@ def _as_list(v) -> List[int]:
 
 
 def build_model(config) -> nn.Module:
-    """An untrained ``mlp`` or ``cnn`` as the run configuration describes it."""
+    """An untrained ``mlp``, ``cnn``, ``resnet`` or ``gpt`` as the run
+    configuration describes it (parameter names as the C++ models')."""
     model = config["model"]
+    if model["name"] == "gpt":
+        return Gpt(256, int(model["d_model"]), int(model["n_head"]), int(model["n_layer"]), int(model["seq_len"]),
+                   float(model["dropout"]))
     classes = 10 if config["data"]["name"] == "fashion_mnist" else int(config["data"]["num_classes"])
     if model["name"] == "mlp":
         return Mlp(_input_shape(config), _as_list(model["hidden"]), float(model["dropout"]), classes)
     if model["name"] == "cnn":
         return Cnn(_input_shape(config), _as_list(model["channels"]), _as_list(model["hidden"]),
                    float(model["dropout"]), classes)
-    raise NotImplementedError(
-        f"load_model rebuilds mlp and cnn models; this checkpoint holds a {model['name']}. Its tensors "
-        "are the load_checkpoint(path)['model.<name>'] entries.")
+    if model["name"] == "resnet":
+        return ResNet(_input_shape(config), int(model["depth"]), int(model["width"]), classes)
+    raise NotImplementedError(f"load_model does not know the model {model['name']!r}")
 
 
 def load_model(path: str) -> nn.Module:

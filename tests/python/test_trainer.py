@@ -285,10 +285,20 @@ def test_plot_writes_a_png(tmp_path):
     ],
     ids=["resnet18", "resnet50-bf16", "gpt-text", "gpt-synthetic-sgd"],
 )
-def test_other_models_train(tmp_path, args):
+def test_other_models_train_and_load_in_python(tmp_path, args):
+    from fusetrain.load_checkpoint import load_model
+
     p = ok(run("train", "--config", TINY, *args, "--run-dir", tmp_path / "run", "--epochs", "1"))
     evals = records(tmp_path / "run", "eval")
     assert evals and np.isfinite(evals[-1]["test_loss"]), p.stdout
+    # The rebuilt torch.nn.Module gives the trainer's predictions (float32 both).
+    ckpt, preds = checkpoints(tmp_path / "run")[-1], tmp_path / "preds.pt"
+    ok(run("eval", "--checkpoint", ckpt, "--predictions", preds, "--set", "precision.policy=float32"))
+    saved = load(preds)
+    model = load_model(str(ckpt))
+    with torch.no_grad():
+        logits = model(saved["inputs"])
+    torch.testing.assert_close(logits, saved["logits"], rtol=1e-4, atol=1e-4)
 
 
 # ------------------------------------------------------------------ signals and failures
