@@ -15,6 +15,13 @@
         losses = fused(chunk)       # [16] losses on the device
         print(losses.mean().item()) # one host sync per execution
 
+    batches = iter(loader)          # or: the next 16 batches of an iterator
+    while True:
+        try:
+            losses = fused(batches)
+        except StopIteration:
+            break
+
 On CUDA the K steps are captured once as a CUDA graph that reads a ring of K
 static input buffers, and each execution is one graph replay. The first
 ``warmup_executions`` run eagerly (they allocate optimizer state; DDP needs at
@@ -28,7 +35,9 @@ results equal K unfused calls of the step.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+import itertools
+from collections.abc import Iterator
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import torch
 
@@ -113,10 +122,16 @@ class FusedSteps:
     def _eager(self, batches: List[List[torch.Tensor]]) -> torch.Tensor:
         return torch.stack([self._call(b) for b in batches])
 
-    def __call__(self, batches: Sequence[Any]) -> torch.Tensor:
+    def __call__(self, batches: Union[Sequence[Any], Iterator[Any]]) -> torch.Tensor:
         """Runs one step per batch (1 to K batches; fewer than K run eagerly)
         and returns the steps' outputs stacked along a new first dimension,
-        on the device, without a host sync."""
+        on the device, without a host sync. ``batches`` is a sequence of
+        batches, or an iterator (a DataLoader's) from which the next K are
+        taken; an exhausted iterator raises StopIteration."""
+        if isinstance(batches, Iterator):
+            batches = list(itertools.islice(batches, self.steps_per_execution))
+            if not batches:
+                raise StopIteration
         batches = [_as_tensors(b, f"batch {i}") for i, b in enumerate(batches)]
         if not 1 <= len(batches) <= self.steps_per_execution:
             raise ValueError(

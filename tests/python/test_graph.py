@@ -51,6 +51,23 @@ def test_cpu_fused_equals_unfused():
             assert torch.equal(p, q)
 
 
+def test_an_iterator_feeds_k_batches_per_call():
+    batches = _batches(10, "cpu")
+    ref_model, ref_losses = _run("cpu", 1, batches)
+    model, step = _setup("cpu")
+    fused = fusetrain.fuse_steps(step, batches[0], steps_per_execution=4)
+    it, outs = iter(batches), []
+    while True:
+        try:
+            outs.append(fused(it))
+        except StopIteration:
+            break
+    assert [o.shape[0] for o in outs] == [4, 4, 2]
+    assert torch.equal(torch.cat(outs), ref_losses)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+
+
 def test_outputs_stay_tensors_without_sync():
     batches = _batches(4, "cpu")
     _, step = _setup("cpu")
