@@ -76,6 +76,46 @@ def table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def save(args, info: dict, now: datetime.datetime, command: str, ctx: Context, rows: list,
+         elapsed: float) -> Path:
+    """Writes this run's rows into the machine's file of the day (replacing
+    earlier rows of the same benchmark and thread count) and a copy under
+    $OUT when set; returns the file's path."""
+    args.results_dir.mkdir(parents=True, exist_ok=True)
+    path = args.results_dir / f"{machine_slug(info)}-{now:%Y-%m-%d}.json"
+    kept = []
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+            fresh = {(r["benchmark"], r["threads"]) for r in rows}
+            kept = [r for r in old.get("results", []) if (r["benchmark"], r.get("threads")) not in fresh]
+        except (json.JSONDecodeError, KeyError):
+            kept = []
+    for r in rows:  # each row says which run it came from: the file may hold several
+        r["time"] = f"{now:%Y-%m-%dT%H:%M:%S}"
+        r["command"] = command
+        r["loadavg"] = [info["loadavg_start"], info.get("loadavg_end")]
+        r["git"] = info.get("git")
+    doc = {
+        "machine": info,
+        "date": f"{now:%Y-%m-%d}",
+        "command": command,
+        "device": args.device,
+        "threads": ctx.threads,
+        "repeats": ctx.repeats,
+        "warmup": ctx.warmup,
+        "elapsed_s": round(elapsed, 1),
+        "results": kept + rows,
+    }
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(path)  # atomic: a run killed mid-write leaves the last whole file
+    out = os.environ.get("OUT")
+    if out and Path(out).is_dir():
+        Path(out, path.name).write_text(path.read_text())
+    return path
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -119,19 +159,29 @@ def main(argv=None) -> int:
     rows = []
     t_start = time.perf_counter()
     failed = []
+    args_given = sys.argv[1:] if argv is None else list(argv)
+    command = " ".join([os.path.relpath(sys.argv[0])] + args_given)
     for mod_name in modules:
         t0 = time.perf_counter()
+        mod_rows = []
         try:
             mod = importlib.import_module(mod_name)
             for row in mod.run(ctx):
                 row["module"] = mod.NAME
                 row["quick"] = args.quick
                 row["threads"] = threads
-                rows.append(row)
+                mod_rows.append(row)
         except Exception:  # one broken module must not cost the others' figures
             traceback.print_exc()
             failed.append(mod_name[6:])
+        rows += mod_rows
         print(f"  {mod_name[6:]}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        # Each module's rows are printed and saved as soon as it ends: a run
+        # stopped by a time limit keeps what it measured.
+        if mod_rows:
+            print(table(mod_rows) + "\n", flush=True)
+        if not args.no_write:
+            save(args, info, now, command, ctx, rows, time.perf_counter() - t_start)
     info["loadavg_end"] = loadavg()
     elapsed = time.perf_counter() - t_start
 
@@ -141,45 +191,9 @@ def main(argv=None) -> int:
         f"\nratio: how many times better ours is (rates ours/torch, times torch/ours); "
         f"median of {ctx.repeats} interleaved calls after {ctx.warmup} warm-up; {elapsed:.0f} s"
     )
-
     if not args.no_write:
-        args.results_dir.mkdir(parents=True, exist_ok=True)
-        path = args.results_dir / f"{machine_slug(info)}-{now:%Y-%m-%d}.json"
-        kept = []
-        if path.exists():
-            try:
-                old = json.loads(path.read_text())
-                fresh = {(r["benchmark"], r["threads"]) for r in rows}
-                kept = [
-                    r
-                    for r in old.get("results", [])
-                    if (r["benchmark"], r.get("threads")) not in fresh
-                ]
-            except (json.JSONDecodeError, KeyError):
-                kept = []
-        args_given = sys.argv[1:] if argv is None else list(argv)
-        command = " ".join([os.path.relpath(sys.argv[0])] + args_given)
-        for r in rows:  # each row says which run it came from: the file may hold several
-            r["time"] = f"{now:%Y-%m-%dT%H:%M:%S}"
-            r["command"] = command
-            r["loadavg"] = [info["loadavg_start"], info["loadavg_end"]]
-            r["git"] = info.get("git")
-        doc = {
-            "machine": info,
-            "date": f"{now:%Y-%m-%d}",
-            "command": command,
-            "device": args.device,
-            "threads": threads,
-            "repeats": ctx.repeats,
-            "warmup": ctx.warmup,
-            "elapsed_s": round(elapsed, 1),
-            "results": kept + rows,
-        }
-        path.write_text(json.dumps(doc, indent=2) + "\n")
+        path = save(args, info, now, command, ctx, rows, elapsed)
         print(f"wrote {os.path.relpath(path)}")
-        out = os.environ.get("OUT")
-        if out and Path(out).is_dir():
-            Path(out, path.name).write_text(path.read_text())
     if failed:
         print(f"bench: failed modules: {', '.join(failed)}", file=sys.stderr)
         return 1
