@@ -328,7 +328,7 @@ class Trainer {
 
   Dataset data_;
   Model model_;
-  std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::unique_ptr<optim::FusedOptimizer> optimizer_;
   std::unique_ptr<amp::GradScaler> scaler_;
   std::unique_ptr<ParallelModel> parallel_;
   std::unique_ptr<BatchSampler> sampler_;
@@ -703,11 +703,7 @@ void Trainer::prepare_fused_steps(int64_t k) {
     // each weight is cast once per forward anyway.
     at::autocast::set_autocast_cache_enabled(false);
     lr_device_ = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
-    if (auto* adamw = dynamic_cast<optim::FusedAdamW*>(optimizer_.get())) {
-      adamw->set_lr_tensor(lr_device_);
-    } else if (auto* sgd = dynamic_cast<optim::FusedSGD*>(optimizer_.get())) {
-      sgd->set_lr_tensor(lr_device_);
-    }
+    optimizer_->set_lr_tensor(lr_device_);
   }
   if (k == 1) return;
   graph::FusedStepsOptions o;

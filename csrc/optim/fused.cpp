@@ -34,15 +34,6 @@ std::optional<at::Tensor> on_device(const std::optional<at::Tensor>& t, const at
   return t->to(d, /*non_blocking=*/true);
 }
 
-std::optional<at::Tensor> checked_lr_tensor(std::optional<at::Tensor> lr, const char* who) {
-  if (!lr.has_value() || !lr->defined()) return std::nullopt;
-  TORCH_CHECK_VALUE(lr->numel() == 1, who, ": the lr tensor must hold one element, got shape ",
-                    lr->sizes());
-  TORCH_CHECK_VALUE(lr->scalar_type() == at::kDouble || lr->scalar_type() == at::kFloat, who,
-                    ": the lr tensor must be float64 or float32, got ", lr->scalar_type());
-  return lr->reshape({});
-}
-
 /// p.grad() laid out like p: the kernels walk both in memory order, so a
 /// gradient assigned by hand in another layout is copied into p's.
 at::Tensor grad_of(const at::Tensor& p) {
@@ -58,6 +49,32 @@ at::Tensor run_closure(torch::optim::Optimizer::LossClosure& closure) {
 }
 
 }  // namespace
+
+// ---------------------------------------------------------- FusedOptimizer
+
+void FusedOptimizer::set_amp_scaling(std::optional<at::Tensor> grad_scale,
+                                     std::optional<at::Tensor> found_inf) {
+  grad_scale_ = std::move(grad_scale);
+  found_inf_ = std::move(found_inf);
+}
+
+void FusedOptimizer::set_lr_tensor(std::optional<at::Tensor> lr) {
+  if (!lr.has_value() || !lr->defined()) {
+    lr_tensor_.reset();
+    return;
+  }
+  TORCH_CHECK_VALUE(lr->numel() == 1,
+                    "set_lr_tensor: the lr tensor must hold one element, got shape ", lr->sizes());
+  TORCH_CHECK_VALUE(lr->scalar_type() == at::kDouble || lr->scalar_type() == at::kFloat,
+                    "set_lr_tensor: the lr tensor must be float64 or float32, got ",
+                    lr->scalar_type());
+  lr_tensor_ = lr->reshape({});
+}
+
+FusedOptimizer::DeviceScalars FusedOptimizer::scalars_on(const at::Device& device) const {
+  return {on_device(grad_scale_, device), on_device(found_inf_, device),
+          on_device(lr_tensor_, device)};
+}
 
 // ------------------------------------------------------------------ AdamW
 
@@ -103,7 +120,7 @@ void FusedAdamWParamState::serialize(torch::serialize::InputArchive& archive) {
 
 FusedAdamW::FusedAdamW(std::vector<torch::optim::OptimizerParamGroup> param_groups,
                        FusedAdamWOptions defaults)
-    : Optimizer(std::move(param_groups), std::make_unique<FusedAdamWOptions>(defaults)) {
+    : FusedOptimizer(std::move(param_groups), std::make_unique<FusedAdamWOptions>(defaults)) {
   TORCH_CHECK_VALUE(defaults.lr() >= 0, "FusedAdamW: invalid learning rate: ", defaults.lr());
   TORCH_CHECK_VALUE(defaults.eps() >= 0, "FusedAdamW: invalid epsilon value: ", defaults.eps());
   const auto [beta1, beta2] = defaults.betas();
@@ -113,16 +130,6 @@ FusedAdamW::FusedAdamW(std::vector<torch::optim::OptimizerParamGroup> param_grou
                     beta2);
   TORCH_CHECK_VALUE(defaults.weight_decay() >= 0, "FusedAdamW: invalid weight_decay value: ",
                     defaults.weight_decay());
-}
-
-void FusedAdamW::set_amp_scaling(std::optional<at::Tensor> grad_scale,
-                                 std::optional<at::Tensor> found_inf) {
-  grad_scale_ = std::move(grad_scale);
-  found_inf_ = std::move(found_inf);
-}
-
-void FusedAdamW::set_lr_tensor(std::optional<at::Tensor> lr) {
-  lr_tensor_ = checked_lr_tensor(std::move(lr), "FusedAdamW");
 }
 
 at::Tensor FusedAdamW::step(LossClosure closure) {
@@ -161,10 +168,9 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
       h.amsgrad = o.amsgrad();
       h.maximize = o.maximize();
       h.decoupled_weight_decay = o.decoupled_weight_decay();
-      const at::Device device = params[0].device();
+      const DeviceScalars d = scalars_on(params[0].device());
       ops::fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_sqs, masters, steps, h,
-                        on_device(grad_scale_, device), on_device(found_inf_, device),
-                        on_device(lr_tensor_, device));
+                        d.grad_scale, d.found_inf, d.lr);
     }
   }
   return loss;
@@ -214,7 +220,7 @@ void FusedSGDParamState::serialize(torch::serialize::InputArchive& archive) {
 
 FusedSGD::FusedSGD(std::vector<torch::optim::OptimizerParamGroup> param_groups,
                    FusedSGDOptions defaults)
-    : Optimizer(std::move(param_groups), std::make_unique<FusedSGDOptions>(defaults)) {
+    : FusedOptimizer(std::move(param_groups), std::make_unique<FusedSGDOptions>(defaults)) {
   TORCH_CHECK_VALUE(defaults.lr() >= 0, "FusedSGD: invalid learning rate: ", defaults.lr());
   TORCH_CHECK_VALUE(defaults.momentum() >= 0, "FusedSGD: invalid momentum value: ",
                     defaults.momentum());
@@ -222,16 +228,6 @@ FusedSGD::FusedSGD(std::vector<torch::optim::OptimizerParamGroup> param_groups,
                     defaults.weight_decay());
   TORCH_CHECK_VALUE(!defaults.nesterov() || (defaults.momentum() > 0 && defaults.dampening() == 0),
                     "FusedSGD: Nesterov momentum requires a momentum and zero dampening");
-}
-
-void FusedSGD::set_amp_scaling(std::optional<at::Tensor> grad_scale,
-                               std::optional<at::Tensor> found_inf) {
-  grad_scale_ = std::move(grad_scale);
-  found_inf_ = std::move(found_inf);
-}
-
-void FusedSGD::set_lr_tensor(std::optional<at::Tensor> lr) {
-  lr_tensor_ = checked_lr_tensor(std::move(lr), "FusedSGD");
 }
 
 at::Tensor FusedSGD::step(LossClosure closure) {
@@ -261,7 +257,7 @@ at::Tensor FusedSGD::step(LossClosure closure) {
       }
       ops::SgdHyper h{o.lr(), o.momentum(), o.dampening(), o.weight_decay(), o.nesterov(),
                       o.maximize()};
-      const at::Device device = params[0].device();
+      const DeviceScalars d = scalars_on(params[0].device());
       for (const auto& [subset, first] :
            {std::pair<const std::vector<at::Tensor>&, bool>{fresh, true}, {running, false}}) {
         if (subset.empty()) continue;
@@ -272,8 +268,7 @@ at::Tensor FusedSGD::step(LossClosure closure) {
           if (o.momentum() != 0) bufs.push_back(s.momentum_buffer());
           if (master) masters.push_back(s.master_param());
         }
-        ops::fused_sgd_(subset, grads, bufs, masters, h, first, on_device(grad_scale_, device),
-                        on_device(found_inf_, device), on_device(lr_tensor_, device));
+        ops::fused_sgd_(subset, grads, bufs, masters, h, first, d.grad_scale, d.found_inf, d.lr);
       }
     }
   }

@@ -17,6 +17,35 @@
 
 namespace fusetrain::optim {
 
+/// What FusedAdamW and FusedSGD share: the device-side scalars their kernels
+/// read (the loss scale and overflow flag from amp::GradScaler, and an
+/// optional learning-rate tensor).
+class FusedOptimizer : public torch::optim::Optimizer, public amp::AmpScalingOptimizer {
+ public:
+  using torch::optim::Optimizer::Optimizer;
+
+  void set_amp_scaling(std::optional<at::Tensor> grad_scale,
+                       std::optional<at::Tensor> found_inf) override;
+  /// Reads the learning rate from `lr` (one float64 or float32 element; moved
+  /// to each group's device) at every step instead of the groups' `lr`
+  /// options, so a captured CUDA graph follows values written into it between
+  /// replays (see fusetrain::graph::FusedSteps). Applies to every group;
+  /// std::nullopt goes back to the options.
+  void set_lr_tensor(std::optional<at::Tensor> lr);
+
+ protected:
+  /// The scalars of a launch on `device`, moved there if they live elsewhere.
+  struct DeviceScalars {
+    std::optional<at::Tensor> grad_scale, found_inf, lr;
+  };
+  DeviceScalars scalars_on(const at::Device& device) const;
+
+ private:
+  std::optional<at::Tensor> grad_scale_;
+  std::optional<at::Tensor> found_inf_;
+  std::optional<at::Tensor> lr_tensor_;
+};
+
 struct FusedAdamWOptions : public torch::optim::OptimizerCloneableOptions<FusedAdamWOptions> {
   FusedAdamWOptions(double lr = 1e-3);  // NOLINT: implicit, as torch's options
   TORCH_ARG(double, lr) = 1e-3;
@@ -52,7 +81,7 @@ struct FusedAdamWParamState
   void serialize(torch::serialize::OutputArchive& archive) const override;
 };
 
-class FusedAdamW : public torch::optim::Optimizer, public amp::AmpScalingOptimizer {
+class FusedAdamW : public FusedOptimizer {
  public:
   explicit FusedAdamW(std::vector<torch::optim::OptimizerParamGroup> param_groups,
                       FusedAdamWOptions defaults = {});
@@ -61,21 +90,8 @@ class FusedAdamW : public torch::optim::Optimizer, public amp::AmpScalingOptimiz
 
   /// One fused launch per (device, dtype) group. Returns the closure's loss.
   at::Tensor step(LossClosure closure = nullptr) override;
-  void set_amp_scaling(std::optional<at::Tensor> grad_scale,
-                       std::optional<at::Tensor> found_inf) override;
-  /// Reads the learning rate from `lr` (one float64 or float32 element; moved
-  /// to each group's device) at every step instead of the groups' `lr`
-  /// options, so a captured CUDA graph follows values written into it between
-  /// replays (see fusetrain::graph::FusedSteps). Applies to every group;
-  /// std::nullopt goes back to the options.
-  void set_lr_tensor(std::optional<at::Tensor> lr);
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
-
- private:
-  std::optional<at::Tensor> grad_scale_;
-  std::optional<at::Tensor> found_inf_;
-  std::optional<at::Tensor> lr_tensor_;
 };
 
 struct FusedSGDOptions : public torch::optim::OptimizerCloneableOptions<FusedSGDOptions> {
@@ -110,7 +126,7 @@ struct FusedSGDParamState
 /// for an overflow (found_inf, on the device), the buffer stays zero and the
 /// next step blends the gradient into it, which differs from torch only with
 /// dampening != 0.
-class FusedSGD : public torch::optim::Optimizer, public amp::AmpScalingOptimizer {
+class FusedSGD : public FusedOptimizer {
  public:
   explicit FusedSGD(std::vector<torch::optim::OptimizerParamGroup> param_groups,
                     FusedSGDOptions defaults);
@@ -118,21 +134,8 @@ class FusedSGD : public torch::optim::Optimizer, public amp::AmpScalingOptimizer
       : FusedSGD({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
 
   at::Tensor step(LossClosure closure = nullptr) override;
-  void set_amp_scaling(std::optional<at::Tensor> grad_scale,
-                       std::optional<at::Tensor> found_inf) override;
-  /// Reads the learning rate from `lr` (one float64 or float32 element; moved
-  /// to each group's device) at every step instead of the groups' `lr`
-  /// options, so a captured CUDA graph follows values written into it between
-  /// replays (see fusetrain::graph::FusedSteps). Applies to every group;
-  /// std::nullopt goes back to the options.
-  void set_lr_tensor(std::optional<at::Tensor> lr);
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
-
- private:
-  std::optional<at::Tensor> grad_scale_;
-  std::optional<at::Tensor> found_inf_;
-  std::optional<at::Tensor> lr_tensor_;
 };
 
 }  // namespace fusetrain::optim
