@@ -79,6 +79,7 @@ CPU_PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")  # --quick: no f
 FP32_GOAL = 3.0  # mixed precision at least 3x strict float32 (CUDA)
 TF32_GOAL = 1.8  # and 1.8x TF32 (CUDA)
 FUSED = "mixed_bfloat16 fuse_steps"
+TORCH_BF16 = "torch mixed_bfloat16"  # torch.autocast + torch.optim.AdamW(fused=True), eager
 
 # Per device and quick: model sizes, batches, steps per timed window, timed
 # windows per precision (after one warm-up window).
@@ -206,6 +207,23 @@ def make_step(model: nn.Module, loss_fn, precision: str, device_type: str, set_t
     return step
 
 
+def make_torch_step(model: nn.Module, device_type: str):
+    """The same bf16 step with torch's own tools: torch.autocast,
+    F.cross_entropy and torch.optim.AdamW(fused=True)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=True)
+
+    def step(x, y):
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            out = model(x)
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
 def count_flops(model: nn.Module, batch_fn, n: int, scale: float) -> float:
     """Training FLOPs (forward + backward) of ``model`` on a batch of ``n``,
     counted in float32 on a copy, times ``scale``. The math SDPA backend makes
@@ -279,6 +297,14 @@ def bench_model(ctx: Context, name: str, model: nn.Module, batch_fn, batch: int,
 
         fns[prec] = run_eager
         setup[prec] = (lambda on=(prec == "tf32"): set_tf32(on)) if ctx.is_cuda else None
+    torch_step = make_torch_step(copy.deepcopy(model), dev)
+
+    def run_torch():
+        for _ in range(window):
+            last[TORCH_BF16] = torch_step(x, y)
+
+    fns[TORCH_BF16] = run_torch
+    setup[TORCH_BF16] = setup["mixed_bfloat16"]
     # The bf16 step through fuse_steps: K = the window, one execution a window.
     fused = fusetrain.fuse_steps(make_step(copy.deepcopy(model), loss_fn, "mixed_bfloat16", dev, set_to_none=False),
                                  (x, y), steps_per_execution=window)
@@ -336,6 +362,17 @@ def bench_model(ctx: Context, name: str, model: nn.Module, batch_fn, batch: int,
         rows.append(fused_error)
     else:
         rows.append(fused_row(ctx, name, window, tag, describe, rate, steps, common_extra(FUSED), unit))
+    # fusetrain against torch's own mixed precision, eager and with step fusion.
+    for ours in ("mixed_bfloat16", FUSED):
+        if ours not in rate:
+            continue
+        rows.append(result(
+            f"e2e {name} {ours} vs torch autocast + AdamW(fused){tag}", ours=rate[ours], torch_=rate[TORCH_BF16],
+            unit=unit, higher_is_better=True,
+            notes=(f"{median(steps[ours]) * 1e3:.2f} vs {median(steps[TORCH_BF16]) * 1e3:.2f} ms/step; 'torch' = "
+                   f"torch.autocast(bfloat16) + F.cross_entropy + torch.optim.AdamW(fused=True), eager; {describe}"),
+            times={"ours": steps[ours], "torch": steps[TORCH_BF16]}, model=name, precision=ours,
+            baseline=TORCH_BF16, batch=batch, device_kind="cpu-smoke" if cpu else dev))
     for low in ("mixed_bfloat16", "mixed_float16"):
         for base, goal in (("float32", FP32_GOAL), ("tf32", TF32_GOAL)):
             if low not in sps or base not in sps:
