@@ -86,6 +86,18 @@ def checkpoint_config(ckpt: Dict[str, torch.Tensor]) -> Dict[str, Dict[str, obje
     return _parse_config(_text(ckpt["config.yaml"]))
 
 
+def _dense_stack(n: int, hidden: List[int], dropout: float):
+    """Flatten, [linear, ReLU] per hidden size, optional dropout (the C++
+    models' layout and names); returns the stack and its output width."""
+    layers: List[nn.Module] = [nn.Flatten()]
+    for size in hidden:
+        layers += [nn.Linear(n, size), nn.ReLU()]
+        n = size
+    if dropout > 0:
+        layers.append(nn.Dropout(dropout))
+    return nn.Sequential(*layers), n
+
+
 class Mlp(nn.Module):
     """The trainer's ``mlp``: flatten, [linear, ReLU] per hidden size, optional dropout, head."""
 
@@ -94,13 +106,7 @@ class Mlp(nn.Module):
         n = 1
         for s in input_shape:
             n *= s
-        layers: List[nn.Module] = [nn.Flatten()]
-        for h in hidden:
-            layers += [nn.Linear(n, h), nn.ReLU()]
-            n = h
-        if dropout > 0:
-            layers.append(nn.Dropout(dropout))
-        self.layers = nn.Sequential(*layers)
+        self.layers, n = _dense_stack(n, hidden, dropout)
         self.head = nn.Linear(n, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,14 +127,7 @@ class Cnn(nn.Module):
             features += [nn.Conv2d(c, ch, 3, padding=1, bias=False), nn.BatchNorm2d(ch), nn.ReLU(), nn.MaxPool2d(2)]
             c, h, w = ch, h // 2, w // 2
         self.features = nn.Sequential(*features)
-        n = c * h * w
-        classifier: List[nn.Module] = [nn.Flatten()]
-        for size in hidden:
-            classifier += [nn.Linear(n, size), nn.ReLU()]
-            n = size
-        if dropout > 0:
-            classifier.append(nn.Dropout(dropout))
-        self.classifier = nn.Sequential(*classifier)
+        self.classifier, n = _dense_stack(c * h * w, hidden, dropout)
         self.head = nn.Linear(n, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
