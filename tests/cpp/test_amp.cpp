@@ -31,6 +31,8 @@
 #include <tuple>
 #include <vector>
 
+#include "cuda_test.h"
+
 namespace {
 
 using Catch::Matchers::Contains;
@@ -40,14 +42,6 @@ using fusetrain::amp::Policy;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-
-#define SKIP_WITHOUT_CUDA()                                   \
-  do {                                                        \
-    if (!torch::cuda::is_available()) {                       \
-      WARN("CUDA is not available: skipping this CUDA test"); \
-      return;                                                 \
-    }                                                         \
-  } while (0)
 
 // ------------------------------------------------------------------ helpers
 
@@ -1349,7 +1343,7 @@ TEST_CASE("keep_float32 runs a module in float32 under autocast, keeping its nam
 
 TEST_CASE("CUDA non_finite_check_and_unscale_ is bit-equal to torch's CPU op",
           "[cuda][ops][unscale]") {
-  SKIP_WITHOUT_CUDA();
+  REQUIRE_CUDA();
   check_all_unscale_cases(at::kCUDA);
   // Every misalignment of a 16-byte pack, for each element size.
   for (const auto dt : kFloatTypes) {
@@ -1371,7 +1365,7 @@ TEST_CASE("CUDA non_finite_check_and_unscale_ is bit-equal to torch's CPU op",
 }
 
 TEST_CASE("CUDA update_scale_ matches the CPU op", "[cuda][ops][update]") {
-  SKIP_WITHOUT_CUDA();
+  REQUIRE_CUDA();
   uint64_t seed = 0;
   for (int64_t hysteresis : {0, 1, 3}) {
     for (double max_scale : {double(INFINITY), 1e6, 65536.0}) {
@@ -1396,13 +1390,13 @@ TEST_CASE("CUDA update_scale_ matches the CPU op", "[cuda][ops][update]") {
 }
 
 TEST_CASE("CUDA GradScaler training is bit-identical and skips overflow steps", "[cuda][scaler]") {
-  SKIP_WITHOUT_CUDA();
+  REQUIRE_CUDA();
   train_side_by_side(make_sgd, {}, at::kCUDA);
   train_side_by_side(make_adam, {2, 9}, at::kCUDA);
 }
 
 TEST_CASE("CUDA GradScaler unscales bf16 and fp16 gradients like the CPU", "[cuda][scaler]") {
-  SKIP_WITHOUT_CUDA();
+  REQUIRE_CUDA();
   for (const auto dt : {at::kBFloat16, at::kHalf}) {
     CAPTURE(dt);
     for (bool overflow : {false, true}) {
@@ -1439,7 +1433,7 @@ TEST_CASE("CUDA GradScaler unscales bf16 and fp16 gradients like the CPU", "[cud
 }
 
 TEST_CASE("CUDA AutocastGuard and keep_float32", "[cuda][policy]") {
-  SKIP_WITHOUT_CUDA();
+  REQUIRE_CUDA();
   const bool prev = at::autocast::is_autocast_enabled(at::kCUDA);
   {
     const fusetrain::amp::AutocastGuard guard(at::kCUDA, Policy("mixed_float16"));
