@@ -1,6 +1,9 @@
 // Local rank spawning, stop signals, and the trainer's view of a process group.
 #include "launch.h"
 
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <sched.h>
@@ -241,6 +244,41 @@ at::Tensor ParallelModel::forward(const at::Tensor& x) {
 std::shared_ptr<void> ParallelModel::no_sync() {
   if (!ddp_) return nullptr;
   return std::shared_ptr<void>(ddp_->no_sync());
+}
+
+namespace {
+
+// The current stream is `side` for the scope's lifetime, ordered by events
+// after the caller's stream's earlier work and before its later work.
+class StreamScope {
+ public:
+  explicit StreamScope(c10::Stream side)
+      : caller_(c10::impl::VirtualGuardImpl(side.device_type()).getStream(side.device())),
+        guard_(side) {
+    c10::Event before(side.device_type());
+    before.record(caller_);
+    before.block(side);
+  }
+  ~StreamScope() {
+    c10::Event after(caller_.device_type());
+    after.record(guard_.current_stream());
+    after.block(caller_);
+  }
+  StreamScope(const StreamScope&) = delete;
+  StreamScope& operator=(const StreamScope&) = delete;
+
+ private:
+  c10::Stream caller_;
+  c10::StreamGuard guard_;
+};
+
+}  // namespace
+
+std::shared_ptr<void> ParallelModel::on_ddp_stream() {
+  if (!ddp_) return nullptr;
+  const std::optional<c10::Stream> side = ddp_->stream();
+  if (!side) return nullptr;
+  return std::make_shared<StreamScope>(*side);
 }
 
 }  // namespace fusetrain::trainer

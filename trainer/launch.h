@@ -77,6 +77,11 @@ class ParallelModel {
   /// While the returned guard lives, backward only accumulates local
   /// gradients (gradient accumulation); null for a world of one.
   std::shared_ptr<void> no_sync();
+  /// While the returned guard lives, the current stream is DDP's side stream
+  /// (Note [DDP and CUDA graphs] in fusetrain/dist/ddp.h), ordered after the
+  /// work queued before on the caller's stream, which in turn waits for it
+  /// when the guard ends. Null without DDP on a device.
+  std::shared_ptr<void> on_ddp_stream();
 
  private:
   Model model_;

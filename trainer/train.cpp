@@ -715,6 +715,9 @@ void Trainer::prepare_fused_steps(int64_t k) {
 }
 
 void Trainer::run_steps(int64_t first, int64_t n) {
+  // With DDP on a device the steps (eager, captured, replayed) run on the
+  // reducer's side stream, the one its gradient accumulators run on.
+  const std::shared_ptr<void> on_stream = parallel_->on_ddp_stream();
   if (!fused_) {
     for (int64_t s = first; s < first + n; ++s) step_body(step_batch(s));
     return;

@@ -2,6 +2,9 @@
 // check and the rank-0 broadcast.
 #include <fusetrain/dist/ddp.h>
 
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
@@ -10,7 +13,13 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#ifdef FUSETRAIN_WITH_CUDA
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#endif
+
 #include <chrono>
+#include <cmath>
+#include <limits>
 #include <mutex>
 #include <sstream>
 #include <unordered_map>
@@ -36,6 +45,17 @@ void wait_or_throw(const c10::intrusive_ptr<c10d::Work>& work, const char* what)
     TORCH_CHECK(false, "DistributedDataParallel: ", what,
                 " failed (a rank may have exited or timed out): ", e.what());
   }
+}
+
+// Whether work queued now on `device`'s current stream is being captured
+// into a CUDA graph (then nothing can be timed).
+bool capturing(const at::Device& device) {
+#ifdef FUSETRAIN_WITH_CUDA
+  if (device.is_cuda()) {
+    return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  }
+#endif
+  return false;
 }
 
 std::string shape_str(at::IntArrayRef s) {
@@ -187,6 +207,11 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
   std::vector<size_t> bucket_of, slot_of;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
   std::vector<uintptr_t> hook_keys;
+  // Device parameters: the accumulators' side stream (Note [DDP and CUDA
+  // graphs]) and the two events that time the exposed communication.
+  std::optional<c10::Stream> stream;
+  std::optional<c10::Event> ready_event, done_event;
+  bool device_timed = false;  // the last backward recorded both events
 
   std::mutex mutex;
   // Bucket rebuild (Note [Bucketed gradient reduction]): the order gradients
@@ -200,7 +225,7 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
   std::vector<char> ready;
   at::Tensor local_used;  // int32 [num params], for find_unused_parameters
   Clock::time_point last_ready{};
-  double exposed_seconds = 0.0;
+  double exposed_seconds = std::numeric_limits<double>::quiet_NaN();
 
   double pre_divide() const {
     const double f = options.gradient_predivide_factor();
@@ -245,11 +270,33 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
   }
 
   void register_hooks(const std::shared_ptr<Impl>& self) {
+    const at::Device device = params.front().device();
+    std::optional<c10::StreamGuard> on_side;
+    if (!device.is_cpu()) {
+      const c10::impl::VirtualGuardImpl guard_impl(device.type());
+      stream = guard_impl.getStreamFromGlobalPool(device);
+      on_side.emplace(*stream);
+      ready_event.emplace(device.type(), c10::EventFlag::BACKEND_DEFAULT);
+      done_event.emplace(device.type(), c10::EventFlag::BACKEND_DEFAULT);
+    }
     const std::weak_ptr<Impl> weak = self;
+    bool warned = false;
     for (size_t i = 0; i < params.size(); ++i) {
+      // Made (if new) while the side stream is current: see the note.
       auto acc = torch::autograd::impl::grad_accumulator(params[i]);
       TORCH_CHECK(acc != nullptr, "DistributedDataParallel: parameter ", i, " (\"", names[i],
                   "\") is not a leaf that requires grad");
+      if (stream && !warned) {
+        const std::optional<c10::Stream> acc_stream = acc->stream();
+        const c10::impl::VirtualGuardImpl guard_impl(device.type());
+        if (acc_stream && *acc_stream == guard_impl.getDefaultStream(acc_stream->device())) {
+          warned = true;
+          TORCH_WARN("DistributedDataParallel: the gradient accumulator of parameter ", i,
+                     " (\"", names[i], "\") was made on the default stream (a backward ran "
+                     "before DDP was constructed), so its backward cannot be captured in a CUDA "
+                     "graph; construct DDP before the first backward");
+        }
+      }
       hook_keys.push_back(acc->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
           [weak, i](const torch::autograd::variable_list& outputs,
                     const torch::autograd::variable_list&) {
@@ -304,7 +351,15 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
   void mark_ready(size_t i) {
     ready[i] = 1;
     Bucket& b = buckets[bucket_of[i]];
-    if (--b.pending == 0) last_ready = Clock::now();
+    if (--b.pending == 0) {
+      // The last bucket to complete overwrites what the earlier ones set.
+      if (ready_event) {
+        device_timed = !capturing(params.front().device());
+        if (device_timed) ready_event->record(current_stream());
+      } else {
+        last_ready = Clock::now();
+      }
+    }
     launch_ready_buckets();
   }
 
@@ -315,6 +370,11 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
       buckets[next_bucket].work = group->allreduce(tensors);
       ++next_bucket;
     }
+  }
+
+  c10::Stream current_stream() const {
+    const at::Device device = params.front().device();
+    return c10::impl::VirtualGuardImpl(device.type()).getStream(device);
   }
 
   void prepare(const std::vector<at::Tensor>& outputs) {
@@ -388,7 +448,11 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     for (size_t b = 0; b < buckets.size(); ++b) {
       wait_or_throw(buckets[b].work, "a gradient allreduce");
       if (b + 1 == buckets.size()) {
-        exposed_seconds = std::chrono::duration<double>(Clock::now() - last_ready).count();
+        if (!done_event) {
+          exposed_seconds = std::chrono::duration<double>(Clock::now() - last_ready).count();
+        } else if (device_timed) {
+          done_event->record(current_stream());  // the waits are on this stream
+        }
       }
       for (const size_t i : buckets[b].params) {
         if (globally_used.defined() && globally_used.const_data_ptr<int32_t>()[i] == 0) continue;
@@ -493,6 +557,16 @@ std::vector<std::vector<size_t>> Reducer::bucket_indices() const {
   return impl_->current_assignment();
 }
 
-double Reducer::last_exposed_comm_seconds() const { return impl_->exposed_seconds; }
+double Reducer::last_exposed_comm_seconds() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  if (!impl_->done_event) return impl_->exposed_seconds;
+  if (!impl_->device_timed || !impl_->done_event->was_marked_for_recording()) {
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+  impl_->done_event->synchronize();
+  return impl_->ready_event->elapsedTime(*impl_->done_event) / 1e3;  // ms
+}
+
+std::optional<c10::Stream> Reducer::stream() const { return impl_->stream; }
 
 }  // namespace fusetrain::dist

@@ -23,11 +23,27 @@
 // order the gradients actually became ready in, rank 0's order is broadcast,
 // and the buckets are rebuilt once in that order with the same caps (not with
 // find_unused_parameters, whose order changes between iterations).
+//
+// Note [DDP and CUDA graphs]
+// Autograd runs each node on the stream that was current when the node was
+// made; for a parameter's AccumulateGrad node (which also runs the reducer's
+// hooks) that is when the reducer first asks for it. Made while the legacy
+// default stream is current, the accumulators and hooks would run on it
+// during a capture, and CUDA refuses work on the legacy stream while another
+// stream captures. So the reducer makes the accumulators of device
+// parameters while a side stream of its own is current (torch's recipe:
+// construct DDP inside a side-stream context). Eager steps on any stream stay
+// correct (autograd orders the streams with events); running warm-up,
+// capture and replay under `Reducer::stream()` saves those cross-stream
+// waits. An accumulator that already existed (a backward ran before DDP was
+// constructed) keeps its stream; the reducer warns when that is the legacy
+// default stream.
 #pragma once
 
 #include <fusetrain/dist/process_group.h>
 
 #include <ATen/ATen.h>
+#include <c10/core/Stream.h>
 #include <torch/arg.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/nn/module.h>
@@ -104,11 +120,20 @@ class Reducer {
   /// order gradients became ready in after it.
   std::vector<std::vector<size_t>> bucket_indices() const;
 
-  /// Seconds the last synchronised backward spent, after its last gradient
+  /// Seconds the last synchronised backward spent, after its last bucket
   /// was ready, waiting for allreduces: the communication not hidden behind
   /// the backward pass (the overlap benchmark compares it with the time of
-  /// the same allreduces alone).
+  /// the same allreduces alone). CPU parameters (gloo): host time around the
+  /// waits. Device parameters (NCCL, whose wait only makes a stream wait):
+  /// device time between two events, the last bucket ready and the waits
+  /// done; the call waits for the second one. NaN when the last backward was
+  /// captured in a CUDA graph (nothing is timed there) or has not run.
   double last_exposed_comm_seconds() const;
+
+  /// The side stream the gradient accumulators and this reducer's hooks run
+  /// on, for device parameters (Note [DDP and CUDA graphs]); nullopt for CPU
+  /// parameters.
+  std::optional<c10::Stream> stream() const;
 
   struct Impl;
 
@@ -181,6 +206,9 @@ class DistributedDataParallel {
 
   ModuleHolder& module() { return module_; }
   Reducer& reducer() { return *reducer_; }
+  /// Reducer::stream(): run warm-up, capture and replay of fused steps under
+  /// it (c10::StreamGuard) to save cross-stream waits.
+  std::optional<c10::Stream> stream() const { return reducer_->stream(); }
 
   /// The wrapped module's parameters and buffers under a "module." prefix,
   /// as torch's DistributedDataParallel names them.

@@ -85,9 +85,11 @@ void FusedSteps::check_batch(const std::vector<at::Tensor>& batch, size_t index)
                       " tensor ", t, " has shape ", batch[t].sizes(), " but the sample has ",
                       sample_[t].sizes(),
                       "; fused steps need static shapes (drop or pad the last partial batch)");
-    TORCH_CHECK_VALUE(batch[t].scalar_type() == sample_[t].scalar_type(), "FusedSteps: batch ",
-                      index, " tensor ", t, " is ", batch[t].scalar_type(), " but the sample is ",
-                      sample_[t].scalar_type());
+    TORCH_CHECK_VALUE(
+        batch[t].scalar_type() == sample_[t].scalar_type() && batch[t].device() == sample_[t].device(),
+        "FusedSteps: batch ", index, " tensor ", t, " is ", batch[t].scalar_type(), " on ",
+        batch[t].device(), " but the sample is ", sample_[t].scalar_type(), " on ",
+        sample_[t].device());
   }
 }
 

@@ -170,7 +170,20 @@ PYBIND11_MODULE(_C, m) {
       .def("set_require_sync", &dist::Reducer::set_require_sync)
       .def("require_sync", &dist::Reducer::require_sync)
       .def("bucket_indices", &dist::Reducer::bucket_indices)
-      .def("last_exposed_comm_seconds", &dist::Reducer::last_exposed_comm_seconds);
+      // Waits for a device event on NCCL: without the GIL.
+      .def("last_exposed_comm_seconds", &dist::Reducer::last_exposed_comm_seconds,
+           py::call_guard<py::gil_scoped_release>())
+      // (stream_id, device_index, device_type) as torch.Stream takes them,
+      // and the device type's name; None for CPU parameters.
+      .def("stream",
+           [](const dist::Reducer& r)
+               -> std::optional<std::tuple<int64_t, int64_t, int64_t, std::string>> {
+             const std::optional<c10::Stream> s = r.stream();
+             if (!s) return std::nullopt;
+             return std::make_tuple(s->id(), static_cast<int64_t>(s->device_index()),
+                                    static_cast<int64_t>(s->device_type()),
+                                    c10::DeviceTypeName(s->device_type(), /*lower_case=*/true));
+           });
   m.def("verify_param_shapes", &dist::verify_param_shapes, py::arg("process_group"),
         py::arg("params"), py::arg("names"), py::call_guard<py::gil_scoped_release>());
   m.def("broadcast_from_rank0", &dist::broadcast_from_rank0, py::arg("process_group"),

@@ -15,6 +15,15 @@ from an autograd hook as soon as its last gradient is ready, overlapping the
 rest of the backward pass. Buckets are reduced strictly in order on every
 rank.
 
+For CUDA parameters the reducer makes the parameters' gradient accumulators
+(which run its hooks) on a side stream of its own, ``.stream``, never the
+legacy default stream, so a backward through it can be captured in a CUDA
+graph (``fusetrain.fuse_steps``; torch's recipe of constructing DDP inside a
+side-stream context, done for you). Construct DDP before the first backward:
+an accumulator made earlier keeps the stream it was made on (a warning says
+so). Running the steps under ``with torch.cuda.stream(model.stream):`` saves
+the cross-stream waits autograd inserts otherwise.
+
 With a GradScaler the allreduce carries any inf/NaN of one rank's gradients
 to every rank (a sum with inf or NaN is inf or NaN), so every rank's
 ``found_inf`` agrees and all skip the same steps without an extra collective.
@@ -151,7 +160,22 @@ class DistributedDataParallel(torch.nn.Module):
         """The bucket layout: parameter indices per bucket, in reduction order."""
         return self.reducer.bucket_indices()
 
+    @property
+    def stream(self):
+        """The side stream the gradient accumulators and the reducer's hooks
+        run on (a ``torch.cuda.Stream`` for CUDA parameters), or None for CPU
+        parameters."""
+        s = self.reducer.stream()
+        if s is None:
+            return None
+        stream_id, device_index, device_type, name = s
+        kind = torch.cuda.Stream if name == "cuda" else torch.Stream
+        return kind(stream_id=stream_id, device_index=device_index, device_type=device_type)
+
     def last_exposed_comm_seconds(self) -> float:
-        """Time the last synchronised backward waited for allreduces after
-        its last gradient was ready (communication not hidden by backward)."""
+        """Seconds the last synchronised backward waited for allreduces after
+        its last bucket was ready (communication not hidden by backward). On
+        CPU parameters (gloo) host time; on CUDA (NCCL) device time between
+        two events, and the call waits for the second. NaN when the last
+        backward was captured in a CUDA graph or none has run."""
         return self.reducer.last_exposed_comm_seconds()

@@ -4,6 +4,8 @@
 #include <catch2/catch.hpp>
 #include <torch/torch.h>
 
+#include "cuda_test.h"
+
 namespace {
 
 struct Run {
@@ -69,6 +71,13 @@ TEST_CASE("FusedSteps rejects dynamic shapes naming the batch", "[graph]") {
                                {torch::randn({5, 8}), torch::randn({5, 3})}}),
                     Catch::Contains("batch 1 tensor 0 has shape [5, 8]"));
   CHECK_THROWS_WITH(fused.run({}), Catch::Contains("takes 1 to 2 batches"));
+  // Same shapes, another device (meta: a second device on any machine), as
+  // the header promises and the Python face checks.
+  const auto meta = torch::TensorOptions().device(torch::kMeta);
+  CHECK_THROWS_WITH(fused.run({{torch::randn({4, 8}), torch::empty({4, 3}, meta)}}),
+                    Catch::Contains("batch 0 tensor 1 is Float on meta but the sample is Float on cpu"));
+  CHECK_THROWS_WITH(fused.run({{torch::randn({4, 8}, torch::kDouble), torch::randn({4, 3})}}),
+                    Catch::Contains("batch 0 tensor 0 is Double on cpu but the sample is Float"));
 }
 
 namespace {
@@ -125,10 +134,7 @@ TEST_CASE("set_lr_tensor steps like the float learning rate, bit for bit", "[gra
 }
 
 TEST_CASE("FusedSteps captures a CUDA graph equal to eager steps", "[graph][cuda]") {
-  if (!torch::cuda::is_available()) {
-    WARN("CUDA is not available: the CUDA graph path runs on the GPU box (make gpu-check)");
-    return;
-  }
+  REQUIRE_CUDA();
   auto run = [](bool graph) {
     torch::manual_seed(0);
     torch::nn::Linear model(8, 3);
@@ -172,10 +178,7 @@ TEST_CASE("FusedSteps captures a CUDA graph equal to eager steps", "[graph][cuda
 }
 
 TEST_CASE("FusedSteps names a host sync that stops capture", "[graph][cuda]") {
-  if (!torch::cuda::is_available()) {
-    WARN("CUDA is not available: the CUDA graph path runs on the GPU box (make gpu-check)");
-    return;
-  }
+  REQUIRE_CUDA();
   const at::Tensor x = torch::randn({4}, torch::kCUDA);
   fusetrain::graph::FusedStepsOptions o;
   o.steps_per_execution = 2;
