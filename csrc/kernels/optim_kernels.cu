@@ -5,7 +5,7 @@
 #include "optim_kernels.h"
 #include "vec.cuh"
 
-#include <vector>
+#include <type_traits>
 
 namespace fusetrain::kernels {
 
@@ -61,6 +61,21 @@ __device__ __forceinline__ double read_or(const DeviceScalar& d, double fallback
                      : static_cast<double>(*static_cast<const float*>(d.ptr));
 }
 
+// Note [Unscaled gradients after a fused step]
+// With a grad_scale the optimizers divide each gradient by it (a division,
+// not a multiplication by the reciprocal: the same rounding as torch's fused
+// optimizers for any scale) and write the quotient back to the gradient, as
+// torch's fused AdamW/Adam/SGD do, so p.grad holds the unscaled gradient
+// after scaler.step(). A skipped step (found_inf) leaves the gradients as
+// they were.
+template <typename P>
+__device__ __forceinline__ void unscale_into_grads(P* g, float (&rg)[kIlp], float scale, int64_t i,
+                                                   int64_t n, bool vectorized) {
+#pragma unroll
+  for (int k = 0; k < kIlp; ++k) rg[k] = rg[k] / scale;
+  store_quad(g, rg, i, n, vectorized);
+}
+
 // ------------------------------------------------------------------- Adam
 
 template <typename P, typename S>
@@ -71,7 +86,7 @@ struct AdamOp {
                              int64_t n) const {
     if (s.found_inf != nullptr && *s.found_inf != 0.f) return;
     P* p = static_cast<P*>(meta.ptrs[0][t]) + start;
-    const P* g = static_cast<const P*>(meta.ptrs[1][t]) + start;
+    P* g = static_cast<P*>(meta.ptrs[1][t]) + start;
     S* m = static_cast<S*>(meta.ptrs[2][t]) + start;
     S* v = static_cast<S*>(meta.ptrs[3][t]) + start;
     S* vmax = s.amsgrad ? static_cast<S*>(meta.ptrs[4][t]) + start : nullptr;
@@ -87,7 +102,7 @@ struct AdamOp {
                             : s.decay;
     const float step_size = static_cast<float>(lr / (1.0 - pow(s.beta1, step)));
     const float bc2_sqrt = static_cast<float>(sqrt(1.0 - pow(s.beta2, step)));
-    const float inv_scale = s.grad_scale != nullptr ? 1.f / *s.grad_scale : 1.f;
+    const float* scale = s.grad_scale;
     const float beta1 = static_cast<float>(s.beta1), beta2 = static_cast<float>(s.beta2);
 
     const bool vec = quad_aligned(p) && quad_aligned(g) && quad_aligned(m) && quad_aligned(v) &&
@@ -106,9 +121,10 @@ struct AdamOp {
       load_quad(rm, m, i, n, full);
       load_quad(rv, v, i, n, full);
       if (vmax != nullptr) load_quad(rx, vmax, i, n, full);
+      if (scale != nullptr) unscale_into_grads(g, rg, *scale, i, n, full);
 #pragma unroll
       for (int k = 0; k < kIlp; ++k) {
-        float grad = rg[k] * inv_scale;
+        float grad = rg[k];
         if (s.maximize) grad = -grad;
         float param = rp[k];
         if (s.weight_decay != 0.f) {
@@ -137,15 +153,35 @@ struct AdamOp {
   }
 };
 
-// One thread per tensor: step += 1 unless the step was skipped.
-struct IncrementStepOp {
-  const float* found_inf;
-
-  __device__ void operator()(const TensorListMeta<1>& meta, int t, int64_t, int64_t) const {
-    if (threadIdx.x != 0 || (found_inf != nullptr && *found_inf != 0.f)) return;
-    *static_cast<float*>(meta.ptrs[0][t]) += 1.f;
-  }
+// Step counters travel in the kernel's parameter block: one thread per
+// counter (a multi-tensor grid of 512-thread blocks per one-float tensor
+// would waste all but one thread of each block).
+struct StepBlock {
+  static constexpr int kMax = (kParamBytes - 16) / 8;
+  float* step[kMax];
+  int32_t count;
 };
+
+// step += 1 unless the step was skipped. The op's checks make every counter
+// a distinct tensor, so no two threads add to one float.
+__global__ void increment_steps_kernel(const __grid_constant__ StepBlock b, const float* found_inf) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= b.count || (found_inf != nullptr && *found_inf != 0.f)) return;
+  *b.step[i] += 1.f;
+}
+
+cudaError_t launch_increment_steps(void* const* steps, int n, const float* found_inf,
+                                   cudaStream_t stream) {
+  StepBlock b;
+  for (int first = 0; first < n; first += StepBlock::kMax) {
+    b.count = n - first < StepBlock::kMax ? n - first : StepBlock::kMax;
+    for (int i = 0; i < b.count; ++i) b.step[i] = static_cast<float*>(steps[first + i]);
+    increment_steps_kernel<<<(b.count + 255) / 256, 256, 0, stream>>>(b, found_inf);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
 
 template <typename P, typename S>
 cudaError_t launch_adam_typed(const AdamTensors& t, const AdamScalars& s, int max_blocks,
@@ -154,11 +190,7 @@ cudaError_t launch_adam_typed(const AdamTensors& t, const AdamScalars& s, int ma
                           t.max_exp_avg_sq, t.master, t.step};
   cudaError_t err = multi_tensor_apply<7>(ptrs, t.numel, t.n, max_blocks, stream, AdamOp<P, S>{s});
   if (err != cudaSuccess) return err;
-  // Each step counter is a one-element tensor: one chunk, one block, one thread.
-  void* const* steps[1] = {t.step};
-  const std::vector<int64_t> ones(t.n, 1);
-  return multi_tensor_apply<1>(steps, ones.data(), t.n, max_blocks, stream,
-                               IncrementStepOp{s.found_inf});
+  return launch_increment_steps(t.step, t.n, s.found_inf, stream);
 }
 
 // -------------------------------------------------------------------- SGD
@@ -171,11 +203,11 @@ struct SgdOp {
                              int64_t n) const {
     if (s.found_inf != nullptr && *s.found_inf != 0.f) return;
     P* p = static_cast<P*>(meta.ptrs[0][t]) + start;
-    const P* g = static_cast<const P*>(meta.ptrs[1][t]) + start;
+    P* g = static_cast<P*>(meta.ptrs[1][t]) + start;
     S* buf = s.has_buffer ? static_cast<S*>(meta.ptrs[2][t]) + start : nullptr;
     float* master = meta.ptrs[3][t] != nullptr ? static_cast<float*>(meta.ptrs[3][t]) + start
                                                : nullptr;
-    const float inv_scale = s.grad_scale != nullptr ? 1.f / *s.grad_scale : 1.f;
+    const float* scale = s.grad_scale;
     const float lr = s.lr_device.ptr != nullptr ? static_cast<float>(read_or(s.lr_device, 0.0)) : s.lr;
     const bool vec = quad_aligned(p) && quad_aligned(g) && (buf == nullptr || quad_aligned(buf)) &&
                      (master == nullptr || quad_aligned(master));
@@ -190,9 +222,10 @@ struct SgdOp {
         load_quad(rp, p, i, n, full);
       }
       if (buf != nullptr && !s.is_first_step) load_quad(rb, buf, i, n, full);
+      if (scale != nullptr) unscale_into_grads(g, rg, *scale, i, n, full);
 #pragma unroll
       for (int k = 0; k < kIlp; ++k) {
-        float grad = rg[k] * inv_scale;
+        float grad = rg[k];
         if (s.maximize) grad = -grad;
         if (s.weight_decay != 0.f) grad += s.weight_decay * rp[k];
         if (buf != nullptr) {
@@ -233,14 +266,19 @@ cudaError_t dispatch_param_state(FloatType type, bool master, F&& f) {
 
 // ---------------------------------------------------------------- L2 norm
 
-template <int kThreads>
-__device__ __forceinline__ float block_sum(float v) {
-  __shared__ float warp_sums[kThreads / 32];
+// Sums of squares accumulate in float, and in double for double inputs (as
+// the CPU reference does for every input).
+template <typename T>
+using SquareAcc = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <int kThreads, typename Acc>
+__device__ __forceinline__ Acc block_sum(Acc v) {
+  __shared__ Acc warp_sums[kThreads / 32];
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
   if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = v;
   __syncthreads();
-  v = threadIdx.x < kThreads / 32 ? warp_sums[threadIdx.x] : 0.f;
+  v = threadIdx.x < kThreads / 32 ? warp_sums[threadIdx.x] : Acc(0);
   if (threadIdx.x < 32) {
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -251,19 +289,23 @@ __device__ __forceinline__ float block_sum(float v) {
 
 template <typename T>
 struct SumSquaresOp {
-  float* partials;
+  SquareAcc<T>* partials;
 
   __device__ void operator()(const TensorListMeta<1>& meta, int t, int64_t start,
                              int64_t n) const {
     const T* x = static_cast<const T*>(meta.ptrs[0][t]) + start;
-    float acc = 0.f;
-    const bool vec = quad_aligned(x);
-    for (int64_t i = static_cast<int64_t>(threadIdx.x) * kIlp; i < n;
-         i += static_cast<int64_t>(blockDim.x) * kIlp) {
-      float r[kIlp];
-      load_quad(r, x, i, n, vec && i + kIlp <= n);
+    SquareAcc<T> acc = 0;
+    if constexpr (std::is_same_v<T, double>) {
+      for (int64_t i = threadIdx.x; i < n; i += blockDim.x) acc += x[i] * x[i];
+    } else {
+      const bool vec = quad_aligned(x);
+      for (int64_t i = static_cast<int64_t>(threadIdx.x) * kIlp; i < n;
+           i += static_cast<int64_t>(blockDim.x) * kIlp) {
+        float r[kIlp];
+        load_quad(r, x, i, n, vec && i + kIlp <= n);
 #pragma unroll
-      for (int k = 0; k < kIlp; ++k) acc += r[k] * r[k];
+        for (int k = 0; k < kIlp; ++k) acc += r[k] * r[k];
+      }
     }
     acc = block_sum<kBlockSize>(acc);
     if (threadIdx.x == 0) {
@@ -284,10 +326,11 @@ struct IndexBlock {
 
 // One block per tensor sums its chunks' partials in order: tensor t of this
 // launch owns partials [b.v[t], b.v[t + 1]) and writes per_tensor_sq[t].
-__global__ void per_tensor_sum_kernel(const float* partials, const __grid_constant__ IndexBlock b,
-                                      float* per_tensor_sq) {
+template <typename Acc>
+__global__ void per_tensor_sum_kernel(const Acc* partials, const __grid_constant__ IndexBlock b,
+                                      Acc* per_tensor_sq) {
   const int t = blockIdx.x;
-  float acc = 0.f;
+  Acc acc = 0;
   for (int32_t c = b.v[t] + static_cast<int32_t>(threadIdx.x); c < b.v[t + 1]; c += blockDim.x) {
     acc += partials[c];
   }
@@ -296,17 +339,54 @@ __global__ void per_tensor_sum_kernel(const float* partials, const __grid_consta
 }
 
 // dst[b.v[i]] = src[i] for i < b.count.
-__global__ void scatter_kernel(const float* src, const __grid_constant__ IndexBlock b, float* dst) {
+template <typename Acc>
+__global__ void scatter_kernel(const Acc* src, const __grid_constant__ IndexBlock b, Acc* dst) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < b.count; i += gridDim.x * blockDim.x) {
     dst[b.v[i]] = src[i];
   }
 }
 
+template <typename Acc>
+cudaError_t launch_scatter_typed(const Acc* src, const int64_t* where, int n, Acc* dst,
+                                 cudaStream_t stream) {
+  IndexBlock b;
+  for (int first = 0; first < n; first += IndexBlock::kMax) {
+    b.count = n - first < IndexBlock::kMax ? n - first : IndexBlock::kMax;
+    for (int i = 0; i < b.count; ++i) b.v[i] = static_cast<int32_t>(where[first + i]);
+    scatter_kernel<<<(b.count + 255) / 256, 256, 0, stream>>>(src + first, b, dst);
+    const cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
 template <typename T>
-cudaError_t launch_chunk_squares(void* const* tensors, const int64_t* numel, int n,
-                               float* partials, int max_blocks, cudaStream_t stream) {
+cudaError_t launch_sum_squares_typed(void* const* tensors, const int64_t* numel, int n,
+                                     void* partials_out, void* per_tensor_out, int max_blocks,
+                                     cudaStream_t stream) {
+  using Acc = SquareAcc<T>;
+  Acc* partials = static_cast<Acc*>(partials_out);
   void* const* ptrs[1] = {tensors};
-  return multi_tensor_apply<1>(ptrs, numel, n, max_blocks, stream, SumSquaresOp<T>{partials});
+  cudaError_t err =
+      multi_tensor_apply<1>(ptrs, numel, n, max_blocks, stream, SumSquaresOp<T>{partials});
+  if (err != cudaSuccess) return err;
+  // Tensor i's partials start at the sum of the chunk counts before it (the
+  // order multi_tensor_apply numbers chunks in), in launches of kMax tensors.
+  IndexBlock b;
+  int64_t begin = 0;
+  for (int first = 0; first < n; first += IndexBlock::kMax) {
+    b.count = n - first < IndexBlock::kMax ? n - first : IndexBlock::kMax;
+    for (int i = 0; i < b.count; ++i) {
+      b.v[i] = static_cast<int32_t>(begin);
+      begin += chunks_of(numel[first + i]);
+    }
+    b.v[b.count] = static_cast<int32_t>(begin);
+    per_tensor_sum_kernel<<<b.count, 256, 0, stream>>>(partials, b,
+                                                       static_cast<Acc*>(per_tensor_out) + first);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace
@@ -330,52 +410,32 @@ int64_t chunks_of(int64_t numel) { return (numel + kChunkSize - 1) / kChunkSize;
 
 cudaError_t launch_scatter(const float* src, const int64_t* where, int n, float* dst,
                            cudaStream_t stream) {
-  IndexBlock b;
-  for (int first = 0; first < n; first += IndexBlock::kMax) {
-    b.count = n - first < IndexBlock::kMax ? n - first : IndexBlock::kMax;
-    for (int i = 0; i < b.count; ++i) b.v[i] = static_cast<int32_t>(where[first + i]);
-    scatter_kernel<<<(b.count + 255) / 256, 256, 0, stream>>>(src + first, b, dst);
-    const cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  return launch_scatter_typed(src, where, n, dst, stream);
+}
+
+cudaError_t launch_scatter(const double* src, const int64_t* where, int n, double* dst,
+                           cudaStream_t stream) {
+  return launch_scatter_typed(src, where, n, dst, stream);
 }
 
 cudaError_t launch_sum_squares(FloatType type, void* const* tensors, const int64_t* numel,
-                               int n, float* partials, float* per_tensor_sq, int max_blocks,
+                               int n, void* partials, void* per_tensor_sq, int max_blocks,
                                cudaStream_t stream) {
-  cudaError_t err = cudaSuccess;
   switch (type) {
     case FloatType::kFloat32:
-      err = launch_chunk_squares<float>(tensors, numel, n, partials, max_blocks, stream);
-      break;
+      return launch_sum_squares_typed<float>(tensors, numel, n, partials, per_tensor_sq,
+                                             max_blocks, stream);
     case FloatType::kFloat16:
-      err = launch_chunk_squares<__half>(tensors, numel, n, partials, max_blocks, stream);
-      break;
+      return launch_sum_squares_typed<__half>(tensors, numel, n, partials, per_tensor_sq,
+                                              max_blocks, stream);
     case FloatType::kBFloat16:
-      err = launch_chunk_squares<__nv_bfloat16>(tensors, numel, n, partials, max_blocks, stream);
-      break;
+      return launch_sum_squares_typed<__nv_bfloat16>(tensors, numel, n, partials, per_tensor_sq,
+                                                     max_blocks, stream);
     case FloatType::kFloat64:
-      err = launch_chunk_squares<double>(tensors, numel, n, partials, max_blocks, stream);
-      break;
+      return launch_sum_squares_typed<double>(tensors, numel, n, partials, per_tensor_sq,
+                                              max_blocks, stream);
   }
-  if (err != cudaSuccess) return err;
-  // Tensor i's partials start at the sum of the chunk counts before it (the
-  // order multi_tensor_apply numbers chunks in), in launches of kMax tensors.
-  IndexBlock b;
-  int64_t begin = 0;
-  for (int first = 0; first < n; first += IndexBlock::kMax) {
-    b.count = n - first < IndexBlock::kMax ? n - first : IndexBlock::kMax;
-    for (int i = 0; i < b.count; ++i) {
-      b.v[i] = static_cast<int32_t>(begin);
-      begin += chunks_of(numel[first + i]);
-    }
-    b.v[b.count] = static_cast<int32_t>(begin);
-    per_tensor_sum_kernel<<<b.count, 256, 0, stream>>>(partials, b, per_tensor_sq + first);
-    err = cudaGetLastError();
-    if (err != cudaSuccess) return err;
-  }
-  return cudaSuccess;
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace fusetrain::kernels

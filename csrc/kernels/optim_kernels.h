@@ -78,18 +78,22 @@ cudaError_t launch_fused_sgd(FloatType param_type, bool has_master, const SgdTen
 /// Chunks of kChunkSize elements a tensor of `numel` elements is cut into.
 int64_t chunks_of(int64_t numel);
 
-/// Sum of squares of every tensor into `per_tensor_sq` (fp32 accumulation):
-/// first per chunk of kChunkSize elements into `partials` (one float per
-/// chunk of all tensors, chunks_of(numel) each), then per tensor summed in
-/// chunk order (deterministic). Nothing is copied from the host but kernel
-/// parameters, so the launches can be captured in a CUDA graph.
+/// Sum of squares of every tensor into `per_tensor_sq`, accumulated in float
+/// (and in double for kFloat64 tensors: `partials` and `per_tensor_sq` are
+/// then double arrays): first per chunk of kChunkSize elements into
+/// `partials` (one value per chunk of all tensors, chunks_of(numel) each),
+/// then per tensor summed in chunk order (deterministic). Nothing is copied
+/// from the host but kernel parameters, so the launches can be captured in a
+/// CUDA graph.
 cudaError_t launch_sum_squares(FloatType type, void* const* tensors, const int64_t* numel,
-                               int n, float* partials, float* per_tensor_sq, int max_blocks,
+                               int n, void* partials, void* per_tensor_sq, int max_blocks,
                                cudaStream_t stream);
 
 /// dst[where[i]] = src[i] for i < n, with `where` (host) passed as kernel
 /// parameters (capturable; no pinned staging buffer).
 cudaError_t launch_scatter(const float* src, const int64_t* where, int n, float* dst,
+                           cudaStream_t stream);
+cudaError_t launch_scatter(const double* src, const int64_t* where, int n, double* dst,
                            cudaStream_t stream);
 
 }  // namespace fusetrain::kernels

@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -101,6 +102,18 @@ void check_steps(at::TensorList params, at::TensorList steps, const char* op) {
     TORCH_CHECK(steps[i].device() == params[i].device(), op, ": state_steps[", i, "] is on ",
                 steps[i].device(), " but params[", i, "] is on ", params[i].device());
   }
+  // Each step is incremented once per parameter (on CUDA by its own thread):
+  // a counter shared by two parameters would count twice, or lose updates.
+  // Meta and fake tensors have no data to compare.
+  if (steps.empty() || steps[0].is_meta() || !steps[0].has_storage()) return;
+  std::unordered_map<const void*, size_t> owner;
+  owner.reserve(steps.size());
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const auto [it, fresh] = owner.emplace(steps[i].const_data_ptr(), i);
+    TORCH_CHECK(fresh, op, ": state_steps[", it->second, "] and state_steps[", i,
+                "] are the same step counter; give every parameter a step tensor of its own "
+                "(as torch's optimizers keep one per parameter)");
+  }
 }
 
 struct Chunk {
@@ -147,10 +160,12 @@ void dispatch_param_state(at::ScalarType p, bool master, const char* op, F&& f) 
 template <typename T>
 using OpMath = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-float read_inv_scale(const std::optional<at::Tensor>& grad_scale) {
-  return grad_scale.has_value() && grad_scale->defined()
-             ? 1.f / *grad_scale->const_data_ptr<float>()
-             : 1.f;
+// Note [Unscaled gradients after a fused step] (csrc/kernels/optim_kernels.cu):
+// with a grad_scale each gradient is divided by it and the quotient written
+// back, as torch's fused optimizers do.
+float read_grad_scale(const std::optional<at::Tensor>& grad_scale) {
+  return grad_scale.has_value() && grad_scale->defined() ? *grad_scale->const_data_ptr<float>()
+                                                         : 1.f;
 }
 
 bool skip_step(const std::optional<at::Tensor>& found_inf) {
@@ -166,20 +181,23 @@ struct AdamTensorConsts {
 };
 
 template <typename P, typename S>
-void adam_span(P* __restrict p, const P* __restrict g, S* __restrict m, S* __restrict v,
+void adam_span(P* __restrict p, P* __restrict g, S* __restrict m, S* __restrict v,
                S* __restrict vmax, float* __restrict master, int64_t n, const AdamHyper& h,
-               const AdamTensorConsts& c, float grad_scale_inv, bool unscale) {
+               const AdamTensorConsts& c, float grad_scale, bool unscale) {
   using M = OpMath<P>;
   // 1 - beta and 1 - lr * wd are formed in double and rounded once, as torch
   // does with its Python-float scalars: 1 - beta2 formed after rounding beta2
   // to float (1 - 0.999f) is off by 1.3e-5 relative, a bias in every v.
   const M beta1 = h.beta1, beta2 = h.beta2, wd = h.weight_decay, eps = h.eps;
   const M one_minus_beta1 = 1.0 - h.beta1, one_minus_beta2 = 1.0 - h.beta2;
-  const M step_size = c.step_size, bc2_sqrt = c.bc2_sqrt, inv = grad_scale_inv;
+  const M step_size = c.step_size, bc2_sqrt = c.bc2_sqrt, scale = grad_scale;
   const M decay = 1.0 - h.lr * h.weight_decay;
   for (int64_t i = 0; i < n; ++i) {
     M grad = static_cast<M>(g[i]);
-    if (unscale) grad = grad * inv;
+    if (unscale) {
+      grad = grad / scale;
+      g[i] = static_cast<P>(grad);
+    }
     if (h.maximize) grad = -grad;
     M param = master != nullptr ? static_cast<M>(master[i]) : static_cast<M>(p[i]);
     if (wd != 0) {
@@ -268,24 +286,28 @@ struct Lanes<c10::Half> {
   }
 };
 
-// adam_span's scalars as fp32. grad_mul folds the unscale and maximize's
-// sign (g * -inv == -(g * inv) exactly); decay is 1 and l2 unused unless
-// their mode is on.
+// adam_span's scalars as fp32. grad_sign is maximize's sign (a multiply by
+// -1 or 1, exact); decay is 1 and l2 unused unless their mode is on.
 struct AdamLaneScalars {
-  float grad_mul, decay, l2, beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, bc2_sqrt,
+  float grad_scale, grad_sign, decay, l2, beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, bc2_sqrt,
       eps;
 };
 
 // The same, broadcast to 8 lanes (built inside the AVX2 functions only).
 struct AdamLanes {
-  __m256 grad_mul, decay, l2, beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, bc2_sqrt,
+  __m256 grad_scale, grad_sign, decay, l2, beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, bc2_sqrt,
       eps;
 };
 
-template <typename P, typename S, bool kMaster, bool kAmsgrad, bool kL2>
-FUSETRAIN_AVX2_TARGET inline void adam8(P* p, const P* g, S* m, S* v, S* vmax, float* master,
+template <typename P, typename S, bool kMaster, bool kAmsgrad, bool kL2, bool kUnscale>
+FUSETRAIN_AVX2_TARGET inline void adam8(P* p, P* g, S* m, S* v, S* vmax, float* master,
                                         const AdamLanes& c) {
-  __m256 grad = _mm256_mul_ps(Lanes<P>::load(g), c.grad_mul);
+  __m256 grad = Lanes<P>::load(g);
+  if constexpr (kUnscale) {
+    grad = _mm256_div_ps(grad, c.grad_scale);
+    Lanes<P>::store(g, grad);
+  }
+  grad = _mm256_mul_ps(grad, c.grad_sign);
   __m256 param = kMaster ? _mm256_loadu_ps(master) : Lanes<P>::load(p);
   if constexpr (kL2) {
     grad = _mm256_add_ps(grad, _mm256_mul_ps(c.l2, param));
@@ -309,11 +331,12 @@ FUSETRAIN_AVX2_TARGET inline void adam8(P* p, const P* g, S* m, S* v, S* vmax, f
   Lanes<P>::store(p, param);
 }
 
-template <typename P, typename S, bool kMaster, bool kAmsgrad, bool kL2>
-FUSETRAIN_AVX2_TARGET void adam_span_avx2(P* p, const P* g, S* m, S* v, S* vmax, float* master,
+template <typename P, typename S, bool kMaster, bool kAmsgrad, bool kL2, bool kUnscale>
+FUSETRAIN_AVX2_TARGET void adam_span_avx2(P* p, P* g, S* m, S* v, S* vmax, float* master,
                                           int64_t n, const AdamLaneScalars& s) {
   AdamLanes c;
-  c.grad_mul = _mm256_set1_ps(s.grad_mul);
+  c.grad_scale = _mm256_set1_ps(s.grad_scale);
+  c.grad_sign = _mm256_set1_ps(s.grad_sign);
   c.decay = _mm256_set1_ps(s.decay);
   c.l2 = _mm256_set1_ps(s.l2);
   c.beta1 = _mm256_set1_ps(s.beta1);
@@ -325,8 +348,9 @@ FUSETRAIN_AVX2_TARGET void adam_span_avx2(P* p, const P* g, S* m, S* v, S* vmax,
   c.eps = _mm256_set1_ps(s.eps);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    adam8<P, S, kMaster, kAmsgrad, kL2>(p + i, g + i, m + i, v + i, kAmsgrad ? vmax + i : nullptr,
-                                        kMaster ? master + i : nullptr, c);
+    adam8<P, S, kMaster, kAmsgrad, kL2, kUnscale>(p + i, g + i, m + i, v + i,
+                                                  kAmsgrad ? vmax + i : nullptr,
+                                                  kMaster ? master + i : nullptr, c);
   }
   const int64_t r = n - i;
   if (r == 0) return;
@@ -342,9 +366,10 @@ FUSETRAIN_AVX2_TARGET void adam_span_avx2(P* p, const P* g, S* m, S* v, S* vmax,
     if (kAmsgrad) tx[k] = vmax[i + k];
     if (kMaster) tmaster[k] = master[i + k];
   }
-  adam8<P, S, kMaster, kAmsgrad, kL2>(tp, tg, tm, tv, tx, tmaster, c);
+  adam8<P, S, kMaster, kAmsgrad, kL2, kUnscale>(tp, tg, tm, tv, tx, tmaster, c);
   for (int64_t k = 0; k < r; ++k) {
     p[i + k] = tp[k];
+    if (kUnscale) g[i + k] = tg[k];
     m[i + k] = tm[k];
     v[i + k] = tv[k];
     if (kAmsgrad) vmax[i + k] = tx[k];
@@ -354,51 +379,57 @@ FUSETRAIN_AVX2_TARGET void adam_span_avx2(P* p, const P* g, S* m, S* v, S* vmax,
 
 // Type-erased entry: params and grads of P, moments of S (byte pointers to
 // the chunk's first element).
-using AdamAvx2Fn = void (*)(void*, const void*, void*, void*, void*, float*, int64_t,
+using AdamAvx2Fn = void (*)(void*, void*, void*, void*, void*, float*, int64_t,
                             const AdamLaneScalars&);
 
-template <typename P, typename S, bool kMaster, bool kAmsgrad, bool kL2>
-void adam_span_avx2_erased(void* p, const void* g, void* m, void* v, void* vmax, float* master,
+template <typename P, typename S, bool kMaster, bool kAmsgrad, bool kL2, bool kUnscale>
+void adam_span_avx2_erased(void* p, void* g, void* m, void* v, void* vmax, float* master,
                            int64_t n, const AdamLaneScalars& s) {
-  adam_span_avx2<P, S, kMaster, kAmsgrad, kL2>(static_cast<P*>(p), static_cast<const P*>(g),
-                                               static_cast<S*>(m), static_cast<S*>(v),
-                                               static_cast<S*>(vmax), master, n, s);
+  adam_span_avx2<P, S, kMaster, kAmsgrad, kL2, kUnscale>(
+      static_cast<P*>(p), static_cast<P*>(g), static_cast<S*>(m), static_cast<S*>(v),
+      static_cast<S*>(vmax), master, n, s);
+}
+
+template <typename P, typename S, bool kMaster, bool kAmsgrad, bool kL2>
+AdamAvx2Fn pick_adam_avx2_unscale(bool unscale) {
+  return unscale ? &adam_span_avx2_erased<P, S, kMaster, kAmsgrad, kL2, true>
+                 : &adam_span_avx2_erased<P, S, kMaster, kAmsgrad, kL2, false>;
 }
 
 template <typename P, typename S, bool kMaster>
-AdamAvx2Fn pick_adam_avx2(bool amsgrad, bool l2) {
+AdamAvx2Fn pick_adam_avx2(bool amsgrad, bool l2, bool unscale) {
   if (amsgrad) {
-    return l2 ? &adam_span_avx2_erased<P, S, kMaster, true, true>
-              : &adam_span_avx2_erased<P, S, kMaster, true, false>;
+    return l2 ? pick_adam_avx2_unscale<P, S, kMaster, true, true>(unscale)
+              : pick_adam_avx2_unscale<P, S, kMaster, true, false>(unscale);
   }
-  return l2 ? &adam_span_avx2_erased<P, S, kMaster, false, true>
-            : &adam_span_avx2_erased<P, S, kMaster, false, false>;
+  return l2 ? pick_adam_avx2_unscale<P, S, kMaster, false, true>(unscale)
+            : pick_adam_avx2_unscale<P, S, kMaster, false, false>(unscale);
 }
 
 /// The AVX2 loop for these params, or null where adam_span must run.
-AdamAvx2Fn adam_avx2_for(at::ScalarType param, bool master, bool amsgrad, bool l2) {
+AdamAvx2Fn adam_avx2_for(at::ScalarType param, bool master, bool amsgrad, bool l2, bool unscale) {
   if (!cpu_has_avx2()) return nullptr;
   switch (param) {
     case at::kFloat:
-      return pick_adam_avx2<float, float, false>(amsgrad, l2);
+      return pick_adam_avx2<float, float, false>(amsgrad, l2, unscale);
     case at::kBFloat16:
-      return master ? pick_adam_avx2<c10::BFloat16, float, true>(amsgrad, l2)
-                    : pick_adam_avx2<c10::BFloat16, c10::BFloat16, false>(amsgrad, l2);
+      return master ? pick_adam_avx2<c10::BFloat16, float, true>(amsgrad, l2, unscale)
+                    : pick_adam_avx2<c10::BFloat16, c10::BFloat16, false>(amsgrad, l2, unscale);
     case at::kHalf:
-      return master ? pick_adam_avx2<c10::Half, float, true>(amsgrad, l2)
-                    : pick_adam_avx2<c10::Half, c10::Half, false>(amsgrad, l2);
+      return master ? pick_adam_avx2<c10::Half, float, true>(amsgrad, l2, unscale)
+                    : pick_adam_avx2<c10::Half, c10::Half, false>(amsgrad, l2, unscale);
     default:
       return nullptr;
   }
 }
 
 AdamLaneScalars adam_lane_scalars(const AdamHyper& h, const AdamTensorConsts& c,
-                                  float grad_scale_inv, bool unscale) {
-  const float inv = unscale ? grad_scale_inv : 1.f;
+                                  float grad_scale) {
   const bool l2 = !h.decoupled_weight_decay && h.weight_decay != 0;
   const bool decoupled = h.decoupled_weight_decay && h.weight_decay != 0;
   AdamLaneScalars s;
-  s.grad_mul = h.maximize ? -inv : inv;
+  s.grad_scale = grad_scale;
+  s.grad_sign = h.maximize ? -1.f : 1.f;
   s.decay = decoupled ? static_cast<float>(1.0 - h.lr * h.weight_decay) : 1.f;
   s.l2 = l2 ? static_cast<float>(h.weight_decay) : 0.f;
   s.beta1 = static_cast<float>(h.beta1);
@@ -434,18 +465,16 @@ void fused_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList
     consts[i].step_size = lr / (1.0 - std::pow(beta1, static_cast<double>(*step)));
     consts[i].bc2_sqrt = std::sqrt(1.0 - std::pow(beta2, static_cast<double>(*step)));
   }
-  const float inv = read_inv_scale(grad_scale);
+  const float scale = read_grad_scale(grad_scale);
   const bool unscale = grad_scale.has_value() && grad_scale->defined();
   const bool master = !master_params.empty();
   const std::vector<Chunk> chunks = make_chunks(params);
 #ifdef FUSETRAIN_X86_AVX2
   const bool l2 = !decoupled_weight_decay && weight_decay != 0;
-  if (const AdamAvx2Fn fn = adam_avx2_for(params[0].scalar_type(), master, amsgrad, l2)) {
+  if (const AdamAvx2Fn fn = adam_avx2_for(params[0].scalar_type(), master, amsgrad, l2, unscale)) {
     std::vector<AdamLaneScalars> lanes;
     lanes.reserve(params.size());
-    for (size_t i = 0; i < params.size(); ++i) {
-      lanes.push_back(adam_lane_scalars(h, consts[i], inv, unscale));
-    }
+    for (size_t i = 0; i < params.size(); ++i) lanes.push_back(adam_lane_scalars(h, consts[i], scale));
     at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
       for (int64_t k = lo; k < hi; ++k) {
         const Chunk& c = chunks[k];
@@ -454,7 +483,7 @@ void fused_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList
         const int64_t pb = b * params[i].element_size();
         const int64_t sb = b * exp_avgs[i].element_size();
         fn(static_cast<char*>(params[i].data_ptr()) + pb,
-           static_cast<const char*>(grads[i].const_data_ptr()) + pb,
+           static_cast<char*>(grads[i].data_ptr()) + pb,
            static_cast<char*>(exp_avgs[i].data_ptr()) + sb,
            static_cast<char*>(exp_avg_sqs[i].data_ptr()) + sb,
            amsgrad ? static_cast<char*>(max_exp_avg_sqs[i].data_ptr()) + sb : nullptr,
@@ -472,11 +501,11 @@ void fused_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList
         const Chunk& c = chunks[k];
         const size_t i = c.tensor;
         const int64_t b = c.begin;
-        adam_span<P, S>(params[i].data_ptr<P>() + b, grads[i].const_data_ptr<P>() + b,
+        adam_span<P, S>(params[i].data_ptr<P>() + b, grads[i].data_ptr<P>() + b,
                         exp_avgs[i].data_ptr<S>() + b, exp_avg_sqs[i].data_ptr<S>() + b,
                         amsgrad ? max_exp_avg_sqs[i].data_ptr<S>() + b : nullptr,
                         master ? master_params[i].data_ptr<float>() + b : nullptr, c.end - b, h,
-                        consts[i], inv, unscale);
+                        consts[i], scale, unscale);
       }
     });
   });
@@ -485,14 +514,17 @@ void fused_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList
 // -------------------------------------------------------------------- SGD
 
 template <typename P, typename S>
-void sgd_span(P* __restrict p, const P* __restrict g, S* __restrict buf, float* __restrict master,
-              int64_t n, const SgdHyper& h, bool first, float grad_scale_inv, bool unscale) {
+void sgd_span(P* __restrict p, P* __restrict g, S* __restrict buf, float* __restrict master,
+              int64_t n, const SgdHyper& h, bool first, float grad_scale, bool unscale) {
   using M = OpMath<P>;
-  const M lr = h.lr, momentum = h.momentum, wd = h.weight_decay, inv = grad_scale_inv;
+  const M lr = h.lr, momentum = h.momentum, wd = h.weight_decay, scale = grad_scale;
   const M keep = 1.0 - h.dampening;  // in double, rounded once (see adam_span)
   for (int64_t i = 0; i < n; ++i) {
     M grad = static_cast<M>(g[i]);
-    if (unscale) grad = grad * inv;
+    if (unscale) {
+      grad = grad / scale;
+      g[i] = static_cast<P>(grad);
+    }
     if (h.maximize) grad = -grad;
     M param = master != nullptr ? static_cast<M>(master[i]) : static_cast<M>(p[i]);
     if (wd != 0) grad = grad + wd * param;
@@ -521,22 +553,28 @@ void sgd_span(P* __restrict p, const P* __restrict g, S* __restrict buf, float* 
 #define FUSETRAIN_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
 struct SgdLaneScalars {
-  float grad_mul;  // the unscale and maximize's sign, as AdamLaneScalars
+  float grad_scale, grad_sign;  // as AdamLaneScalars
   float weight_decay, momentum, keep, lr;
   bool first, nesterov;
 };
 
 // The scalars broadcast to 8 lanes (built inside the AVX2 functions only).
 struct SgdLanes {
-  __m256 grad_mul, weight_decay, momentum, keep, lr;
+  __m256 grad_scale, grad_sign, weight_decay, momentum, keep, lr;
 };
 
 // One 8-element step; `buf` null without momentum. The options are template
 // arguments: as run-time values read through references the compiler must
 // reload them after every store (a float store may alias a float field).
-template <typename P, typename S, bool kMaster, bool kDecay, bool kBuf, bool kFirst, bool kNesterov>
-FUSETRAIN_AVX2_TARGET inline void sgd8(P* p, const P* g, S* buf, float* master, const SgdLanes& c) {
-  __m256 grad = _mm256_mul_ps(Lanes<P>::load(g), c.grad_mul);
+template <typename P, typename S, bool kMaster, bool kUnscale, bool kDecay, bool kBuf, bool kFirst,
+          bool kNesterov>
+FUSETRAIN_AVX2_TARGET inline void sgd8(P* p, P* g, S* buf, float* master, const SgdLanes& c) {
+  __m256 grad = Lanes<P>::load(g);
+  if constexpr (kUnscale) {
+    grad = _mm256_div_ps(grad, c.grad_scale);
+    Lanes<P>::store(g, grad);
+  }
+  grad = _mm256_mul_ps(grad, c.grad_sign);
   __m256 param = kMaster ? _mm256_loadu_ps(master) : Lanes<P>::load(p);
   if constexpr (kDecay) grad = _mm256_add_ps(grad, _mm256_mul_ps(c.weight_decay, param));
   if constexpr (kBuf) {
@@ -552,13 +590,14 @@ FUSETRAIN_AVX2_TARGET inline void sgd8(P* p, const P* g, S* buf, float* master, 
   Lanes<P>::store(p, param);
 }
 
-template <typename P, typename S, bool kMaster, bool kDecay, bool kBuf, bool kFirst, bool kNesterov>
-FUSETRAIN_AVX2_TARGET void sgd_loop(P* p, const P* g, S* buf, float* master, int64_t n,
+template <typename P, typename S, bool kMaster, bool kUnscale, bool kDecay, bool kBuf, bool kFirst,
+          bool kNesterov>
+FUSETRAIN_AVX2_TARGET void sgd_loop(P* p, P* g, S* buf, float* master, int64_t n,
                                     const SgdLanes& c) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    sgd8<P, S, kMaster, kDecay, kBuf, kFirst, kNesterov>(p + i, g + i, kBuf ? buf + i : nullptr,
-                                                          kMaster ? master + i : nullptr, c);
+    sgd8<P, S, kMaster, kUnscale, kDecay, kBuf, kFirst, kNesterov>(
+        p + i, g + i, kBuf ? buf + i : nullptr, kMaster ? master + i : nullptr, c);
   }
   const int64_t r = n - i;
   if (r == 0) return;
@@ -572,39 +611,44 @@ FUSETRAIN_AVX2_TARGET void sgd_loop(P* p, const P* g, S* buf, float* master, int
     if (kBuf && !kFirst) tb[k] = buf[i + k];
     if (kMaster) tmaster[k] = master[i + k];
   }
-  sgd8<P, S, kMaster, kDecay, kBuf, kFirst, kNesterov>(tp, tg, tb, tmaster, c);
+  sgd8<P, S, kMaster, kUnscale, kDecay, kBuf, kFirst, kNesterov>(tp, tg, tb, tmaster, c);
   for (int64_t k = 0; k < r; ++k) {
     p[i + k] = tp[k];
+    if (kUnscale) g[i + k] = tg[k];
     if (kBuf) buf[i + k] = tb[k];
     if (kMaster) master[i + k] = tmaster[k];
   }
 }
 
 // sgd_loop with momentum, its three options turned into template arguments.
-template <typename P, typename S, bool kMaster, bool... kFixed>
-FUSETRAIN_AVX2_TARGET void with_momentum(bool decay, bool first, bool nesterov, P* p, const P* g,
-                                         S* buf, float* master, int64_t n, const SgdLanes& c) {
+template <typename P, typename S, bool kMaster, bool kUnscale, bool... kFixed>
+FUSETRAIN_AVX2_TARGET void with_momentum(bool decay, bool first, bool nesterov, P* p, P* g, S* buf,
+                                         float* master, int64_t n, const SgdLanes& c) {
   if constexpr (sizeof...(kFixed) == 0) {
-    return decay ? with_momentum<P, S, kMaster, true>(decay, first, nesterov, p, g, buf, master, n, c)
-                 : with_momentum<P, S, kMaster, false>(decay, first, nesterov, p, g, buf, master, n, c);
+    return decay ? with_momentum<P, S, kMaster, kUnscale, true>(decay, first, nesterov, p, g, buf,
+                                                                master, n, c)
+                 : with_momentum<P, S, kMaster, kUnscale, false>(decay, first, nesterov, p, g, buf,
+                                                                 master, n, c);
   } else if constexpr (sizeof...(kFixed) == 1) {
-    return first ? with_momentum<P, S, kMaster, kFixed..., true>(decay, first, nesterov, p, g, buf,
-                                                                 master, n, c)
-                 : with_momentum<P, S, kMaster, kFixed..., false>(decay, first, nesterov, p, g, buf,
-                                                                  master, n, c);
+    return first ? with_momentum<P, S, kMaster, kUnscale, kFixed..., true>(decay, first, nesterov,
+                                                                           p, g, buf, master, n, c)
+                 : with_momentum<P, S, kMaster, kUnscale, kFixed..., false>(decay, first, nesterov,
+                                                                            p, g, buf, master, n, c);
   } else {
     constexpr bool kFlags[] = {kFixed...};
-    return nesterov
-               ? sgd_loop<P, S, kMaster, kFlags[0], true, kFlags[1], true>(p, g, buf, master, n, c)
-               : sgd_loop<P, S, kMaster, kFlags[0], true, kFlags[1], false>(p, g, buf, master, n, c);
+    return nesterov ? sgd_loop<P, S, kMaster, kUnscale, kFlags[0], true, kFlags[1], true>(
+                          p, g, buf, master, n, c)
+                    : sgd_loop<P, S, kMaster, kUnscale, kFlags[0], true, kFlags[1], false>(
+                          p, g, buf, master, n, c);
   }
 }
 
-template <typename P, typename S, bool kMaster>
-FUSETRAIN_AVX2_TARGET void sgd_span_avx2(P* p, const P* g, S* buf, float* master, int64_t n,
+template <typename P, typename S, bool kMaster, bool kUnscale>
+FUSETRAIN_AVX2_TARGET void sgd_span_avx2(P* p, P* g, S* buf, float* master, int64_t n,
                                          const SgdLaneScalars& s) {
   SgdLanes c;
-  c.grad_mul = _mm256_set1_ps(s.grad_mul);
+  c.grad_scale = _mm256_set1_ps(s.grad_scale);
+  c.grad_sign = _mm256_set1_ps(s.grad_sign);
   c.weight_decay = _mm256_set1_ps(s.weight_decay);
   c.momentum = _mm256_set1_ps(s.momentum);
   c.keep = _mm256_set1_ps(s.keep);
@@ -612,33 +656,42 @@ FUSETRAIN_AVX2_TARGET void sgd_span_avx2(P* p, const P* g, S* buf, float* master
   // Each combination of the options gets its own loop.
   const bool decay = s.weight_decay != 0.f;
   if (buf == nullptr) {
-    return decay ? sgd_loop<P, S, kMaster, true, false, false, false>(p, g, buf, master, n, c)
-                 : sgd_loop<P, S, kMaster, false, false, false, false>(p, g, buf, master, n, c);
+    return decay
+               ? sgd_loop<P, S, kMaster, kUnscale, true, false, false, false>(p, g, buf, master, n, c)
+               : sgd_loop<P, S, kMaster, kUnscale, false, false, false, false>(p, g, buf, master, n,
+                                                                                c);
   }
-  return with_momentum<P, S, kMaster>(decay, s.first, s.nesterov, p, g, buf, master, n, c);
+  return with_momentum<P, S, kMaster, kUnscale>(decay, s.first, s.nesterov, p, g, buf, master, n,
+                                                c);
 }
 
-using SgdAvx2Fn = void (*)(void*, const void*, void*, float*, int64_t, const SgdLaneScalars&);
+using SgdAvx2Fn = void (*)(void*, void*, void*, float*, int64_t, const SgdLaneScalars&);
+
+template <typename P, typename S, bool kMaster, bool kUnscale>
+void sgd_span_avx2_erased(void* p, void* g, void* buf, float* master, int64_t n,
+                          const SgdLaneScalars& s) {
+  sgd_span_avx2<P, S, kMaster, kUnscale>(static_cast<P*>(p), static_cast<P*>(g),
+                                         static_cast<S*>(buf), master, n, s);
+}
 
 template <typename P, typename S, bool kMaster>
-void sgd_span_avx2_erased(void* p, const void* g, void* buf, float* master, int64_t n,
-                          const SgdLaneScalars& s) {
-  sgd_span_avx2<P, S, kMaster>(static_cast<P*>(p), static_cast<const P*>(g), static_cast<S*>(buf),
-                               master, n, s);
+SgdAvx2Fn pick_sgd_avx2(bool unscale) {
+  return unscale ? &sgd_span_avx2_erased<P, S, kMaster, true>
+                 : &sgd_span_avx2_erased<P, S, kMaster, false>;
 }
 
 /// The AVX2 loop for these params, or null where sgd_span must run.
-SgdAvx2Fn sgd_avx2_for(at::ScalarType param, bool master) {
+SgdAvx2Fn sgd_avx2_for(at::ScalarType param, bool master, bool unscale) {
   if (!cpu_has_avx2()) return nullptr;
   switch (param) {
     case at::kFloat:
-      return &sgd_span_avx2_erased<float, float, false>;
+      return pick_sgd_avx2<float, float, false>(unscale);
     case at::kBFloat16:
-      return master ? &sgd_span_avx2_erased<c10::BFloat16, float, true>
-                    : &sgd_span_avx2_erased<c10::BFloat16, c10::BFloat16, false>;
+      return master ? pick_sgd_avx2<c10::BFloat16, float, true>(unscale)
+                    : pick_sgd_avx2<c10::BFloat16, c10::BFloat16, false>(unscale);
     case at::kHalf:
-      return master ? &sgd_span_avx2_erased<c10::Half, float, true>
-                    : &sgd_span_avx2_erased<c10::Half, c10::Half, false>;
+      return master ? pick_sgd_avx2<c10::Half, float, true>(unscale)
+                    : pick_sgd_avx2<c10::Half, c10::Half, false>(unscale);
     default:
       return nullptr;
   }
@@ -683,15 +736,16 @@ void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList m
   if (skip_step(found_inf)) return;
   lr = resolve_lr(lr, lr_tensor);
   const SgdHyper h{lr, momentum, dampening, weight_decay, nesterov, maximize};
-  const float inv = read_inv_scale(grad_scale);
+  const float scale = read_grad_scale(grad_scale);
   const bool unscale = grad_scale.has_value() && grad_scale->defined();
   const bool master = !master_params.empty();
   const bool has_buf = !momentum_buffers.empty();
   const std::vector<Chunk> chunks = make_chunks(params);
 #ifdef FUSETRAIN_X86_AVX2
-  if (const SgdAvx2Fn fn = sgd_avx2_for(params[0].scalar_type(), master)) {
+  if (const SgdAvx2Fn fn = sgd_avx2_for(params[0].scalar_type(), master, unscale)) {
     SgdLaneScalars s;
-    s.grad_mul = (unscale ? inv : 1.f) * (maximize ? -1.f : 1.f);
+    s.grad_scale = scale;
+    s.grad_sign = maximize ? -1.f : 1.f;
     s.weight_decay = static_cast<float>(weight_decay);
     s.momentum = static_cast<float>(momentum);
     s.keep = static_cast<float>(1.0 - dampening);
@@ -704,7 +758,7 @@ void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList m
         const size_t i = c.tensor;
         const int64_t pb = c.begin * params[i].element_size();
         fn(static_cast<char*>(params[i].data_ptr()) + pb,
-           static_cast<const char*>(grads[i].const_data_ptr()) + pb,
+           static_cast<char*>(grads[i].data_ptr()) + pb,
            has_buf ? static_cast<char*>(momentum_buffers[i].data_ptr()) +
                          c.begin * momentum_buffers[i].element_size()
                    : nullptr,
@@ -722,10 +776,10 @@ void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList m
         const Chunk& c = chunks[k];
         const size_t i = c.tensor;
         const int64_t b = c.begin;
-        sgd_span<P, S>(params[i].data_ptr<P>() + b, grads[i].const_data_ptr<P>() + b,
+        sgd_span<P, S>(params[i].data_ptr<P>() + b, grads[i].data_ptr<P>() + b,
                        has_buf ? momentum_buffers[i].data_ptr<S>() + b : nullptr,
                        master ? master_params[i].data_ptr<float>() + b : nullptr, c.end - b, h,
-                       is_first_step, inv, unscale);
+                       is_first_step, scale, unscale);
       }
     });
   });

@@ -18,13 +18,15 @@ TORCH_LIBRARY(fusetrain, m) {
   // Adam / AdamW over many tensors in one pass. Empty `max_exp_avg_sqs` unless
   // amsgrad; empty `master_params` unless the params are a low-precision copy of
   // fp32 masters (then m, v and the update are fp32 and params get the rounded
-  // master). `grad_scale` divides the gradients in the kernel; a non-zero
-  // `found_inf` makes the op a no-op, step counts included. Step counts are
+  // master). `grad_scale` divides the gradients in the kernel, which writes
+  // the quotients back to `grads` (torch's fused optimizers leave p.grad
+  // unscaled too); a non-zero `found_inf` makes the op a no-op, step counts
+  // and gradients included. Step counts are
   // one-element float32 tensors, incremented here. `lr_tensor` (a one-element
   // float32/float64 tensor on the params' device) replaces `lr` when given: the
   // kernel reads it, so a CUDA graph follows a schedule written into it.
   m.def(
-      "fused_adamw_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+      "fused_adamw_(Tensor(a!)[] params, Tensor(g!)[] grads, Tensor(b!)[] exp_avgs, "
       "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] master_params, "
       "Tensor(f!)[] state_steps, *, float lr, float beta1, float beta2, float weight_decay, "
       "float eps, bool amsgrad, bool maximize, bool decoupled_weight_decay, "
@@ -33,7 +35,7 @@ TORCH_LIBRARY(fusetrain, m) {
   // masters, `grad_scale` / `found_inf` / `lr_tensor` as above. `is_first_step` initialises
   // the momentum buffers to the first gradient, as torch.optim.SGD does.
   m.def(
-      "fused_sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
+      "fused_sgd_(Tensor(a!)[] params, Tensor(d!)[] grads, Tensor(b!)[] momentum_buffers, "
       "Tensor(c!)[] master_params, *, float lr, float momentum, float dampening, "
       "float weight_decay, bool nesterov, bool maximize, bool is_first_step, "
       "Tensor? grad_scale=None, Tensor? found_inf=None, Tensor? lr_tensor=None) -> ()");

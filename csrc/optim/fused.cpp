@@ -42,6 +42,15 @@ at::Tensor grad_of(const at::Tensor& p) {
   return at::empty_like(p, at::MemoryFormat::Preserve).copy_(g);
 }
 
+/// After a step with a grad_scale the kernels have unscaled `grads` in place
+/// (Note [Unscaled gradients after a fused step]); a gradient grad_of copied
+/// gets the result back.
+void write_back(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!grads[i].is_same(params[i].grad())) params[i].mutable_grad().copy_(grads[i]);
+  }
+}
+
 at::Tensor run_closure(torch::optim::Optimizer::LossClosure& closure) {
   if (!closure) return {};
   at::AutoGradMode enable_grad(true);
@@ -171,6 +180,7 @@ at::Tensor FusedAdamW::step(LossClosure closure) {
       const DeviceScalars d = scalars_on(params[0].device());
       ops::fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_sqs, masters, steps, h,
                         d.grad_scale, d.found_inf, d.lr);
+      if (d.grad_scale && d.grad_scale->defined()) write_back(params, grads);
     }
   }
   return loss;
@@ -269,6 +279,7 @@ at::Tensor FusedSGD::step(LossClosure closure) {
           if (master) masters.push_back(s.master_param());
         }
         ops::fused_sgd_(subset, grads, bufs, masters, h, first, d.grad_scale, d.found_inf, d.lr);
+        if (d.grad_scale && d.grad_scale->defined()) write_back(subset, grads);
       }
     }
   }

@@ -16,7 +16,11 @@ Beyond torch:
   so unscale + clip + update read each gradient twice and never sync.
 - ``_step_supports_amp_scaling = True``: torch's and fusetrain's GradScaler
   hand ``grad_scale`` / ``found_inf`` tensors; an overflow skips the step on the
-  device, step counts included.
+  device, step counts included. As with torch's fused optimizers, the kernels
+  divide the gradients by the scale and write them back, so ``p.grad`` holds
+  the unscaled gradient after ``scaler.step(opt)`` (clipped too with
+  ``max_grad_norm``, as ``clip_grad_norm_`` leaves it); a skipped step leaves
+  the gradients as they were.
 - ``lr`` may be a one-element tensor (as in torch): on the parameters' device
   the kernels read it, so a captured CUDA graph (``fusetrain.fuse_steps``)
   follows a schedule that writes into it (``group["lr"].fill_(value)``, which
@@ -26,7 +30,7 @@ Beyond torch:
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 
@@ -44,6 +48,15 @@ def _grad_of(p: torch.Tensor) -> torch.Tensor:
     if g.stride() != p.stride():
         g = torch.empty_like(p, memory_format=torch.preserve_format).copy_(g)
     return g
+
+
+def _write_back(params: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
+    """After a step with a grad_scale the kernels have unscaled ``grads`` in
+    place (torch's fused optimizers leave p.grad unscaled too); a gradient
+    that was copied into its parameter's layout gets the result back."""
+    for p, g in zip(params, grads):
+        if g is not p.grad:
+            p.grad.copy_(g)
 
 
 def _checked_lr(lr):
@@ -321,6 +334,8 @@ class FusedAdamW(_FusedOptimizer):
             grad_scale=grad_scale,
             found_inf=found_inf,
         )
+        if grad_scale is not None:
+            _write_back(params, grads)
 
     def _decoupled_for(self, group) -> bool:
         return self._decoupled
@@ -440,9 +455,10 @@ class FusedSGD(_FusedOptimizer):
         for subset, first in ((fresh, True), (running, False)):
             if not subset:
                 continue
+            grads = [_grad_of(p) for p in subset]
             torch.ops.fusetrain.fused_sgd_(
                 subset,
-                [_grad_of(p) for p in subset],
+                grads,
                 [self.state[p]["momentum_buffer"] for p in subset] if momentum != 0 else [],
                 [self._master_of(p, self.state[p]) for p in subset] if master else [],
                 **_lr_args(group["lr"], subset[0].device),
@@ -455,3 +471,5 @@ class FusedSGD(_FusedOptimizer):
                 grad_scale=grad_scale,
                 found_inf=found_inf,
             )
+            if grad_scale is not None:
+                _write_back(subset, grads)

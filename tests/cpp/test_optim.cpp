@@ -17,11 +17,14 @@
 
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include "cuda_test.h"
 
 namespace {
 
@@ -36,14 +39,6 @@ using fusetrain::optim::FusedSGDParamState;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr int kSteps = 20;
-
-#define OPTIM_SKIP_WITHOUT_CUDA()                             \
-  do {                                                        \
-    if (!torch::cuda::is_available()) {                       \
-      WARN("CUDA is not available: skipping this CUDA test"); \
-      return;                                                 \
-    }                                                         \
-  } while (0)
 
 // ------------------------------------------------------------------ helpers
 
@@ -536,10 +531,28 @@ TEST_CASE("Fused optimizers reject invalid options", "[optim][errors]") {
                       Catch::Matchers::Contains("Nesterov momentum requires"));
 }
 
+TEST_CASE("Fused optimizer ops reject a step counter shared by two parameters", "[optim][errors]") {
+  // Two parameters sharing one step tensor would count twice per step on the
+  // CPU and lose increments on CUDA (one thread per counter).
+  const std::vector<at::Tensor> params{at::zeros({3}), at::zeros({5})};
+  const std::vector<at::Tensor> grads{at::ones({3}), at::ones({5})};
+  std::vector<at::Tensor> m{at::zeros({3}), at::zeros({5})}, v{at::zeros({3}), at::zeros({5})};
+  const at::Tensor shared = at::zeros({}, at::kFloat);
+  REQUIRE_THROWS_WITH(
+      fusetrain::ops::fused_adamw_(params, grads, m, v, {}, {}, {shared, shared},
+                                   fusetrain::ops::AdamHyper{}),
+      Catch::Matchers::Contains("state_steps[0] and state_steps[1] are the same step counter"));
+  // Distinct counters (views of one buffer at different offsets included) are fine.
+  const at::Tensor buffer = at::zeros({2}, at::kFloat);
+  fusetrain::ops::fused_adamw_(params, grads, m, v, {}, {}, {buffer[0], buffer[1]},
+                               fusetrain::ops::AdamHyper{});
+  REQUIRE(buffer.equal(at::ones({2})));
+}
+
 // ------------------------------------------------------------------ CUDA
 
 TEST_CASE("CUDA FusedAdamW with bf16 params and fp32 masters matches the CPU", "[cuda][optim]") {
-  OPTIM_SKIP_WITHOUT_CUDA();
+  REQUIRE_CUDA();
   const at::Device cuda(at::kCUDA);
   OptimNet cpu = make_optim_net(13, at::kBFloat16);
   OptimNet gpu = make_optim_net(13, at::kBFloat16, cuda);
@@ -577,6 +590,72 @@ TEST_CASE("CUDA FusedAdamW with bf16 params and fp32 masters matches the CPU", "
     }
   }
   REQUIRE(adam_state(opt_gpu, gpu->fc1->weight).step().item<float>() == 9.f);
+}
+
+TEST_CASE("CUDA fused AdamW counts every step counter once, over several launches",
+          "[cuda][optim]") {
+  REQUIRE_CUDA();
+  // More counters than one launch's parameter block holds (3998), so the
+  // increment runs as several launches; a skipped step leaves them all.
+  constexpr int kParams = 4500;
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA);
+  std::vector<at::Tensor> params, grads, m, v, steps;
+  for (int i = 0; i < kParams; ++i) {
+    params.push_back(at::zeros({1 + i % 3}, f32));
+    grads.push_back(at::ones({1 + i % 3}, f32));
+    m.push_back(at::zeros({1 + i % 3}, f32));
+    v.push_back(at::zeros({1 + i % 3}, f32));
+    steps.push_back(at::full({}, static_cast<float>(i % 7), f32));
+  }
+  const at::Tensor found_inf = at::zeros({1}, f32);
+  fusetrain::ops::fused_adamw_(params, grads, m, v, {}, {}, steps, fusetrain::ops::AdamHyper{},
+                               std::nullopt, found_inf);
+  found_inf.fill_(1.f);
+  fusetrain::ops::fused_adamw_(params, grads, m, v, {}, {}, steps, fusetrain::ops::AdamHyper{},
+                               std::nullopt, found_inf);
+  const at::Tensor got = at::stack(steps).cpu();
+  const at::Tensor want = at::arange(kParams, at::kFloat).remainder(7) + 1;
+  REQUIRE(got.equal(want));
+  const at::Tensor shared = at::zeros({}, f32);
+  REQUIRE_THROWS_WITH(
+      fusetrain::ops::fused_adamw_({params[0], params[1]}, {grads[0], grads[1]}, {m[0], m[1]},
+                                   {v[0], v[1]}, {}, {}, {shared, shared},
+                                   fusetrain::ops::AdamHyper{}),
+      Catch::Matchers::Contains("the same step counter"));
+}
+
+TEST_CASE("CUDA multi_tensor_l2norm accumulates float64 tensors in double", "[cuda][optim]") {
+  REQUIRE_CUDA();
+  // Squares of 1e-25 underflow to zero in float and squares of 1e30
+  // overflow it, yet both norms are ordinary float32 values: a float
+  // accumulation returns 0 and inf where the double one (the CPU reference)
+  // returns sqrt(n) * |x|. Odd sizes span several 64K chunks.
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  at::manual_seed(0);
+  const std::vector<at::Tensor> cpu = {(at::rand({278011}, f64) + 1) * 1e-25,
+                                       (at::rand({70001}, f64) + 1) * 1e30,
+                                       at::randn({131073}, f64)};
+  std::vector<at::Tensor> gpu;
+  for (const auto& t : cpu) gpu.push_back(t.cuda());
+  for (const auto& [first, count] : {std::pair<size_t, size_t>{0, 1}, {1, 1}, {0, 3}}) {
+    CAPTURE(first, count);
+    const std::vector<at::Tensor> c(cpu.begin() + first, cpu.begin() + first + count);
+    const std::vector<at::Tensor> g(gpu.begin() + first, gpu.begin() + first + count);
+    const auto [total_cpu, per_cpu] = fusetrain::ops::multi_tensor_l2norm(c, true);
+    const auto [total_gpu, per_gpu] = fusetrain::ops::multi_tensor_l2norm(g, true);
+    const double expected = at::cat(c).pow(2).sum().sqrt().item<double>();
+    REQUIRE(std::isfinite(total_gpu.item<float>()));
+    REQUIRE(total_gpu.item<float>() > 0);
+    // Both accumulate in double (different orders: ~1e-16 relative) and
+    // round once to float32: within one float32 ulp of each other.
+    REQUIRE(std::abs(total_gpu.item<float>() - expected) <= 1.2e-7 * expected);
+    REQUIRE(at::allclose(per_gpu.cpu(), per_cpu, 1.2e-7, 0));
+  }
+  // A mixed group (float32 with float64) accumulates in double too.
+  const std::vector<at::Tensor> mixed = {gpu[0], gpu[2].to(at::kFloat)};
+  const auto [total_mixed, per_mixed] = fusetrain::ops::multi_tensor_l2norm(mixed, true);
+  REQUIRE(per_mixed[0].item<float>() > 0);
+  REQUIRE(std::isfinite(total_mixed.item<float>()));
 }
 
 }  // namespace

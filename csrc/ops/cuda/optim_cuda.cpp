@@ -121,7 +121,8 @@ void fused_sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
                                            at::cuda::getCurrentCUDAStream()));
 }
 
-// Sum of squares of each tensor of a single-dtype group ([k] float32).
+// Sum of squares of each tensor of a single-dtype group: [k] float32, or
+// float64 for float64 tensors (accumulated in double, as the CPU reference).
 at::Tensor group_sum_squares(const std::vector<at::Tensor>& group) {
   constexpr const char* kOp = "fusetrain::multi_tensor_l2norm";
   const int n = static_cast<int>(group.size());
@@ -133,13 +134,13 @@ at::Tensor group_sum_squares(const std::vector<at::Tensor>& group) {
     numel[i] = group[i].numel();
     chunks += kernels::chunks_of(numel[i]);
   }
-  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(group[0].device());
-  at::Tensor partials = at::empty({std::max<int64_t>(chunks, 1)}, f32);
-  at::Tensor per_sq = at::empty({n}, f32);
+  const at::ScalarType acc = group[0].scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto opts = at::TensorOptions().dtype(acc).device(group[0].device());
+  at::Tensor partials = at::empty({std::max<int64_t>(chunks, 1)}, opts);
+  at::Tensor per_sq = at::empty({n}, opts);
   C10_CUDA_CHECK(kernels::launch_sum_squares(
-      float_type(group[0].scalar_type(), kOp), ptrs.data(), numel.data(), n,
-      partials.data_ptr<float>(), per_sq.data_ptr<float>(), multi_tensor_blocks(),
-      at::cuda::getCurrentCUDAStream()));
+      float_type(group[0].scalar_type(), kOp), ptrs.data(), numel.data(), n, partials.data_ptr(),
+      per_sq.data_ptr(), multi_tensor_blocks(), at::cuda::getCurrentCUDAStream()));
   return per_sq;
 }
 
@@ -152,7 +153,10 @@ std::tuple<at::Tensor, at::Tensor> l2norm_cuda(at::TensorList tensors, bool per_
   for (size_t i = 0; i < tensors.size(); ++i) {
     by_dtype[tensors[i].scalar_type()].push_back(static_cast<int64_t>(i));
   }
-  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(tensors[0].device());
+  // Sums of squares in double when any input is double (the others' float
+  // sums widen exactly), else in float; the norms are float32 either way.
+  const at::ScalarType acc = by_dtype.count(at::kDouble) ? at::kDouble : at::kFloat;
+  const auto acc_opts = at::TensorOptions().dtype(acc).device(tensors[0].device());
   at::Tensor per_sq;
   for (const auto& [dtype, idx] : by_dtype) {
     std::vector<at::Tensor> group;
@@ -160,20 +164,28 @@ std::tuple<at::Tensor, at::Tensor> l2norm_cuda(at::TensorList tensors, bool per_
       const at::Tensor& t = tensors[i];
       group.push_back(t.is_non_overlapping_and_dense() ? t : t.contiguous());
     }
-    at::Tensor sq = group_sum_squares(group);
+    at::Tensor sq = group_sum_squares(group).to(acc);
     if (by_dtype.size() == 1) {  // one dtype (the usual case): already in order
       per_sq = sq;
       break;
     }
-    if (!per_sq.defined()) per_sq = at::empty({static_cast<int64_t>(tensors.size())}, f32);
+    if (!per_sq.defined()) per_sq = at::empty({static_cast<int64_t>(tensors.size())}, acc_opts);
     // Back to the caller's positions; they travel as kernel parameters (no
     // host sync, capturable).
-    C10_CUDA_CHECK(kernels::launch_scatter(sq.const_data_ptr<float>(), idx.data(),
-                                           static_cast<int>(idx.size()), per_sq.data_ptr<float>(),
-                                           at::cuda::getCurrentCUDAStream()));
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    if (acc == at::kDouble) {
+      C10_CUDA_CHECK(kernels::launch_scatter(sq.const_data_ptr<double>(), idx.data(),
+                                             static_cast<int>(idx.size()),
+                                             per_sq.data_ptr<double>(), stream));
+    } else {
+      C10_CUDA_CHECK(kernels::launch_scatter(sq.const_data_ptr<float>(), idx.data(),
+                                             static_cast<int>(idx.size()),
+                                             per_sq.data_ptr<float>(), stream));
+    }
   }
-  at::Tensor total = per_sq.sum().sqrt();
-  return {total, per_tensor ? per_sq.sqrt() : at::empty({0}, f32)};
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(tensors[0].device());
+  at::Tensor total = per_sq.sum().sqrt().to(at::kFloat);
+  return {total, per_tensor ? per_sq.sqrt().to(at::kFloat) : at::empty({0}, f32)};
 }
 
 }  // namespace
