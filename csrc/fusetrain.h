@@ -4,6 +4,7 @@
 #include <fusetrain/amp/float32_module.h>
 #include <fusetrain/amp/grad_scaler.h>
 #include <fusetrain/amp/policy.h>
+#include <fusetrain/dist/comm_hooks.h>
 #include <fusetrain/dist/ddp.h>
 #include <fusetrain/dist/process_group.h>
 #include <fusetrain/graph/fused_steps.h>

@@ -240,6 +240,15 @@ const std::vector<KeySpec>& config_schema() {
       key("precision.growth_interval", K::kInt, "2000",
           "mixed_float16: overflow-free steps before the scale doubles", {}, 1, 1e15),
 
+      key("parallel.comm_hook", K::kString, "none",
+          "how DDP reduces gradients (none: allreduce in float32; fp16/bf16: compressed to 16 "
+          "bits; powersgd: low-rank PowerSGD, whose state a resume starts afresh)",
+          {"none", "allreduce", "fp16", "bf16", "powersgd"}),
+      key("parallel.powersgd_rank", K::kInt, "1", "PowerSGD's matrix approximation rank", {}, 1,
+          1e6),
+      key("parallel.powersgd_start_iter", K::kInt, "1000",
+          "steps of plain allreduce before PowerSGD compresses", {}, 2, 1e15),
+
       key("runtime.device", K::kString, "cpu", "where to train", {"cpu", "cuda"}),
       key("runtime.nproc", K::kInt, "1", "local data-parallel processes to spawn", {}, 1, 4096),
       key("runtime.threads", K::kInt, "0",

@@ -228,10 +228,15 @@ void Distributed::barrier() const {
 
 // ------------------------------------------------------------------ ParallelModel
 
-ParallelModel::ParallelModel(Model model, const Distributed& world, dist::DDPOptions options)
+ParallelModel::ParallelModel(Model model, const Distributed& world, dist::DDPOptions options,
+                             const std::string& comm_hook, int64_t powersgd_rank,
+                             int64_t powersgd_start_iter)
     : model_(std::move(model)) {
-  if (world.is_distributed()) {
-    ddp_ = std::make_unique<dist::DistributedDataParallel<Model>>(model_, world.group(), options);
+  if (!world.is_distributed()) return;
+  ddp_ = std::make_unique<dist::DistributedDataParallel<Model>>(model_, world.group(), options);
+  if (auto hook = dist::comm_hook_from_name(comm_hook, world.group(), powersgd_rank,
+                                            powersgd_start_iter)) {
+    ddp_->register_comm_hook(std::move(hook));
   }
 }
 

@@ -5,6 +5,7 @@
 
 #include "models.h"
 
+#include <fusetrain/dist/comm_hooks.h>
 #include <fusetrain/dist/ddp.h>
 #include <fusetrain/dist/process_group.h>
 
@@ -71,7 +72,10 @@ class Distributed {
 /// world has several ranks, the plain model otherwise.
 class ParallelModel {
  public:
-  ParallelModel(Model model, const Distributed& world, dist::DDPOptions options);
+  /// `comm_hook`: a name comm_hook_from_name knows ("none": DDP's allreduce).
+  ParallelModel(Model model, const Distributed& world, dist::DDPOptions options,
+                const std::string& comm_hook = "none", int64_t powersgd_rank = 1,
+                int64_t powersgd_start_iter = 1000);
   ~ParallelModel();
   at::Tensor forward(const at::Tensor& x);
   /// While the returned guard lives, backward only accumulates local

@@ -833,7 +833,9 @@ int Trainer::run() {
     open_metrics();
   }
   dist::DDPOptions ddp;
-  parallel_ = std::make_unique<ParallelModel>(model_, world_, ddp);
+  parallel_ = std::make_unique<ParallelModel>(
+      model_, world_, ddp, config_.get_string("parallel.comm_hook"),
+      config_.get_int("parallel.powersgd_rank"), config_.get_int("parallel.powersgd_start_iter"));
 
   const int64_t batch = config_.get_int("data.batch_size");
   const int64_t epochs = (total_steps_ + steps_per_epoch_ - 1) / steps_per_epoch_;

@@ -2,6 +2,8 @@
 // check and the rank-0 broadcast.
 #include <fusetrain/dist/ddp.h>
 
+#include <fusetrain/dist/comm_hooks.h>
+
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -155,6 +157,13 @@ void verify_param_shapes(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
 
 void broadcast_from_rank0(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                           const std::vector<at::Tensor>& tensors) {
+  broadcast_from(group, tensors, 0);
+}
+
+void broadcast_from(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                    const std::vector<at::Tensor>& tensors, int root) {
+  TORCH_CHECK_VALUE(root >= 0 && root < group->getSize(), "broadcast_from: root ", root,
+                    " is not a rank of this group of ", group->getSize());
   if (group->getSize() == 1 || tensors.empty()) return;
   at::NoGradGuard no_grad;
   // Coalesced per dtype, in buffers of at most 250 MB (as torch's DDP).
@@ -175,8 +184,8 @@ void broadcast_from_rank0(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
       for (size_t i = begin; i < end; ++i) flat.push_back(list[i].detach().reshape(-1));
       std::vector<at::Tensor> buf{at::cat(flat)};
       c10d::BroadcastOptions opts;
-      opts.rootRank = 0;
-      wait_or_throw(group->broadcast(buf, opts), "broadcasting rank 0's parameters");
+      opts.rootRank = root;
+      wait_or_throw(group->broadcast(buf, opts), "broadcasting one rank's parameters");
       int64_t offset = 0;
       for (size_t i = begin; i < end; ++i) {
         const int64_t n = list[i].numel();
@@ -196,7 +205,13 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     std::vector<int64_t> offsets;
     at::Tensor buffer;  // flat, in the communication dtype
     size_t pending = 0;
-    c10::intrusive_ptr<c10d::Work> work;
+    c10::intrusive_ptr<c10d::Work> work;  // without a hook
+    // With a hook (Note [Communication hooks]): the bucket as GradBucket
+    // describes it, and the hook's future of this backward.
+    std::vector<size_t> hook_offsets, hook_lengths;
+    std::vector<c10::IntArrayRef> hook_sizes;
+    std::vector<at::Tensor> hook_params;
+    c10::intrusive_ptr<c10::ivalue::Future> future;
   };
 
   std::vector<at::Tensor> params;
@@ -213,6 +228,11 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
   std::optional<c10::Event> ready_event, done_event;
   bool device_timed = false;  // the last backward recorded both events
 
+  std::shared_ptr<c10d::CommHookInterface> hook;
+  bool hook_has_one_collective = false;  // fusetrain's allreduce / compression hooks
+  bool started = false;          // a prepare_for_backward has run
+  double divide_factor = 0.0;    // set_divide_factor; 0: the world size
+
   std::mutex mutex;
   // Bucket rebuild (Note [Bucketed gradient reduction]): the order gradients
   // became ready in during the first synchronised backward.
@@ -227,13 +247,19 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
   Clock::time_point last_ready{};
   double exposed_seconds = std::numeric_limits<double>::quiet_NaN();
 
+  // The divisions around the allreduce; a hook averages by itself.
+  double world() const {
+    return divide_factor > 0 ? divide_factor : static_cast<double>(group->getSize());
+  }
   double pre_divide() const {
+    if (hook) return 1.0;
     const double f = options.gradient_predivide_factor();
-    return f == 1.0 ? static_cast<double>(group->getSize()) : f;
+    return f == 1.0 ? world() : f;
   }
   double post_divide() const {
+    if (hook) return 1.0;
     const double f = options.gradient_predivide_factor();
-    return f == 1.0 ? 1.0 : static_cast<double>(group->getSize()) / f;
+    return f == 1.0 ? 1.0 : world() / f;
   }
 
   std::vector<std::vector<size_t>> assignment_for(const std::vector<size_t>& order) const {
@@ -255,6 +281,10 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
         bucket_of[i] = b;
         slot_of[i] = s;
         bucket.offsets.push_back(total);
+        bucket.hook_offsets.push_back(static_cast<size_t>(total));
+        bucket.hook_lengths.push_back(static_cast<size_t>(params[i].numel()));
+        bucket.hook_sizes.push_back(params[i].sizes());
+        bucket.hook_params.push_back(params[i]);
         total += params[i].numel();
       }
       const at::Tensor& head = params[bucket.params.front()];
@@ -366,10 +396,50 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
   // Strictly in index order: every rank issues the same collective sequence.
   void launch_ready_buckets() {
     while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) {
-      std::vector<at::Tensor> tensors{buckets[next_bucket].buffer};
-      buckets[next_bucket].work = group->allreduce(tensors);
+      Bucket& b = buckets[next_bucket];
+      if (hook) {
+        // See the note: the previous bucket's reduction is over first.
+        if (next_bucket > 0 && !hook_has_one_collective) buckets[next_bucket - 1].future->wait();
+        b.future = run_hook(next_bucket, b.buffer);
+      } else {
+        std::vector<at::Tensor> tensors{b.buffer};
+        b.work = group->allreduce(tensors);
+      }
       ++next_bucket;
     }
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> run_hook(size_t index, const at::Tensor& buffer) {
+    const Bucket& b = buckets[index];
+    c10d::GradBucket grad_bucket(index, buckets.size(), buffer, b.hook_offsets, b.hook_lengths,
+                                 b.hook_sizes, b.hook_params, std::nullopt);
+    c10::intrusive_ptr<c10::ivalue::Future> future = hook->runHook(grad_bucket);
+    TORCH_CHECK(future, "DistributedDataParallel: the communication hook returned no future for "
+                "bucket ", index);
+    return future;
+  }
+
+  // Waits for bucket b's reduction; the reduced flat tensor (the bucket's
+  // buffer unless a hook returned another one).
+  at::Tensor wait_bucket(size_t b) {
+    Bucket& bucket = buckets[b];
+    if (!hook) {
+      wait_or_throw(bucket.work, "a gradient allreduce");
+      return bucket.buffer;
+    }
+    at::Tensor result;
+    try {
+      bucket.future->wait();
+      result = hook->parseHookResult(bucket.future->value());  // value() rethrows an error
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "DistributedDataParallel: the communication hook failed on bucket ", b,
+                  " (a rank may have exited or timed out): ", e.what());
+    }
+    TORCH_CHECK(result.defined() && result.numel() == bucket.buffer.numel(),
+                "DistributedDataParallel: the communication hook's future for bucket ", b,
+                " holds ", result.defined() ? result.numel() : 0, " elements, but the bucket has ",
+                bucket.buffer.numel(), "; return a future of the reduced bucket.buffer()");
+    return result;
   }
 
   c10::Stream current_stream() const {
@@ -379,6 +449,7 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
 
   void prepare(const std::vector<at::Tensor>& outputs) {
     std::lock_guard<std::mutex> lock(mutex);
+    started = true;
     armed = require_sync;
     finalize_queued = false;
     next_bucket = 0;
@@ -386,6 +457,7 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     for (auto& b : buckets) {
       b.pending = b.params.size();
       b.work.reset();
+      b.future.reset();
     }
     if (!armed) return;
     ready_order.clear();
@@ -446,7 +518,8 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     // Bucket by bucket, as torch's reducer: a bucket's gradients are written
     // back while the later buckets' allreduces are still running.
     for (size_t b = 0; b < buckets.size(); ++b) {
-      wait_or_throw(buckets[b].work, "a gradient allreduce");
+      const at::Tensor reduced = wait_bucket(b);
+      if (!reduced.is_same(buckets[b].buffer)) buckets[b].buffer.copy_(reduced.view(-1));
       if (b + 1 == buckets.size()) {
         if (!done_event) {
           exposed_seconds = std::chrono::duration<double>(Clock::now() - last_ready).count();
@@ -477,8 +550,14 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
   // agree for the allreduces to match).
   void rebuild_buckets() {
     rebuilt = true;
-    if (ready_order.size() != params.size()) return;  // cannot happen without unused params
-    std::vector<int64_t> order64(ready_order.begin(), ready_order.end());
+    // A rank that joined before its first backward (Note [Uneven inputs])
+    // has no order of its own; it proposes the current one (rank 0's wins).
+    std::vector<size_t> proposal = ready_order;
+    if (proposal.size() != params.size()) {
+      proposal.clear();
+      for (const auto& b : buckets) proposal.insert(proposal.end(), b.params.begin(), b.params.end());
+    }
+    std::vector<int64_t> order64(proposal.begin(), proposal.end());
     std::vector<at::Tensor> order{
         at::tensor(order64, at::TensorOptions().dtype(at::kLong))
             .to(collective_device(group, params))};
@@ -509,6 +588,37 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
       at::Tensor view = view_of(i);
       view.copy_(moved[i]);
       params[i].mutable_grad() = view;
+    }
+  }
+
+  void shadow() {
+    std::lock_guard<std::mutex> lock(mutex);
+    // Scheduled in order, then waited for, as a backward does.
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      at::Tensor zeros = at::zeros_like(buckets[b].buffer);
+      if (hook) {
+        if (b > 0 && !hook_has_one_collective) futures.back()->wait();
+        futures.push_back(run_hook(b, zeros));
+      } else {
+        std::vector<at::Tensor> tensors{zeros};
+        works.push_back(group->allreduce(tensors));
+      }
+    }
+    for (const auto& w : works) wait_or_throw(w, "a joined rank's gradient allreduce");
+    for (size_t b = 0; b < futures.size(); ++b) {
+      futures[b]->wait();
+      TORCH_CHECK(!futures[b]->hasError(), "DistributedDataParallel: the communication hook "
+                  "failed on a joined rank's bucket ", b, ": ", futures[b]->tryRetrieveErrorMessage());
+    }
+    if (options.find_unused_parameters()) {
+      std::vector<at::Tensor> used{at::zeros({static_cast<int64_t>(params.size())},
+                                             at::TensorOptions().dtype(at::kInt).device(
+                                                 collective_device(group, params)))};
+      wait_or_throw(group->allreduce(used), "a joined rank's unused-parameter allreduce");
+    } else if (!rebuilt) {
+      rebuild_buckets();
     }
   }
 
@@ -544,6 +654,39 @@ Reducer::~Reducer() { impl_->unregister_hooks(); }
 void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   impl_->prepare(outputs);
 }
+
+void Reducer::register_comm_hook(std::shared_ptr<c10d::CommHookInterface> hook) {
+  TORCH_CHECK_VALUE(hook != nullptr, "register_comm_hook: the hook is null");
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  // torch's reducer's words.
+  TORCH_CHECK(!impl_->hook,
+              "register_comm_hook or register_builtin_comm_hook can only be called once.");
+  TORCH_CHECK(!impl_->started, "DistributedDataParallel: register_comm_hook must be called before "
+              "the first forward pass (training has started with the default allreduce)");
+  TORCH_CHECK_VALUE(!impl_->options.comm_dtype().has_value(),
+                    "DistributedDataParallel: comm_dtype is a compression hook of its own; pass "
+                    "comm_dtype or register a communication hook, not both");
+  TORCH_CHECK_VALUE(impl_->options.gradient_predivide_factor() == 1.0,
+                    "DistributedDataParallel: a communication hook averages the gradients itself; "
+                    "gradient_predivide_factor must stay 1 with a hook");
+  const auto* ours = dynamic_cast<const CommHook*>(hook.get());
+  impl_->hook_has_one_collective = ours != nullptr && ours->issues_one_collective();
+  impl_->hook = std::move(hook);
+}
+
+bool Reducer::has_comm_hook() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->hook != nullptr;
+}
+
+void Reducer::set_divide_factor(double factor) {
+  TORCH_CHECK_VALUE(factor >= 0, "set_divide_factor: the factor must be > 0 (or 0 for the world "
+                    "size), got ", factor);
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->divide_factor = factor;
+}
+
+void Reducer::shadow_synchronized_backward() { impl_->shadow(); }
 
 void Reducer::set_require_sync(bool require) {
   std::lock_guard<std::mutex> lock(impl_->mutex);

@@ -38,6 +38,36 @@
 // waits. An accumulator that already existed (a backward ran before DDP was
 // constructed) keeps its stream; the reducer warns when that is the legacy
 // default stream.
+//
+// Note [Communication hooks]
+// A hook decides how a bucket is reduced, with torch's contract
+// (c10d::CommHookInterface, torch.distributed's register_comm_hook): when a
+// bucket is ready its hook gets a c10d::GradBucket over the bucket's flat
+// buffer, which then holds the rank's local gradients, not divided by the
+// world size (the hook averages), and returns a future of the reduced flat
+// tensor. Buckets are handed to the hook strictly in index order on every
+// rank, as allreduces are without one; the end of backward waits for the
+// futures in order and writes the results back to the gradients. A Python
+// hook (c10d::PythonCommHook) takes the GIL only while it runs.
+// A hook may chain collectives from its futures' callbacks (torch's PowerSGD
+// issues three per bucket, the later ones from gloo's threads): bucket k + 1
+// goes to the hook only once bucket k's future is done, so every rank issues
+// the same collectives in the same order. (torch's DDP does not wait, and
+// PowerSGD over gloo with several buckets fails there with a collective
+// mismatch.) On NCCL a future is done once its kernels are queued, so this
+// costs little; on gloo it trades the overlap of a bucket's reduction with
+// the rest of backward for the order. Hooks of one collective per bucket
+// (CommHook::issues_one_collective: fusetrain's allreduce and compression
+// hooks) skip the wait.
+//
+// Note [Uneven inputs]
+// A rank that runs out of data before the others "joins" (torch's Join
+// protocol, torch.distributed.algorithms.join): until every rank has joined
+// it repeats the collectives a synchronised backward issues, with zero
+// gradients (shadow_synchronized_backward), so the ranks still training
+// never wait for it. Their gradients are divided by the initial world size
+// (the joined ranks add zeros) or, with divide_by_initial_world_size=False,
+// by the ranks still training (set_divide_factor).
 #pragma once
 
 #include <fusetrain/dist/process_group.h>
@@ -46,6 +76,7 @@
 #include <c10/core/Stream.h>
 #include <torch/arg.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/nn/module.h>
 #include <torch/ordered_dict.h>
 
@@ -92,7 +123,11 @@ void verify_param_shapes(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                          const std::vector<at::Tensor>& params,
                          const std::vector<std::string>& names);
 
-/// Overwrites `tensors` with rank 0's values (coalesced broadcasts).
+/// Overwrites `tensors` with rank `root`'s values (coalesced broadcasts).
+void broadcast_from(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                    const std::vector<at::Tensor>& tensors, int root);
+
+/// broadcast_from(group, tensors, 0).
 void broadcast_from_rank0(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                           const std::vector<at::Tensor>& tensors);
 
@@ -114,6 +149,25 @@ class Reducer {
   /// Off: backward only accumulates local gradients (no_sync).
   void set_require_sync(bool require);
   bool require_sync() const;
+
+  /// Reduces every bucket through `hook` from now on (Note [Communication
+  /// hooks]). Once per reducer, before the first prepare_for_backward, and
+  /// not with comm_dtype (a compression hook of its own).
+  void register_comm_hook(std::shared_ptr<c10d::CommHookInterface> hook);
+  bool has_comm_hook() const;
+
+  /// Divide the gradients by `factor` (> 0) instead of the world size in the
+  /// synchronised backward passes that follow (Note [Uneven inputs]:
+  /// averaging over the ranks still training). Without a hook only; 0 goes
+  /// back to the world size.
+  void set_divide_factor(double factor);
+
+  /// On a rank that has joined (Note [Uneven inputs]): the collectives of
+  /// one synchronised backward with zero gradients, in the same order: every
+  /// bucket (through the hook when one is registered), the unused-parameter
+  /// allreduce with find_unused_parameters, and the bucket-order broadcast
+  /// if the buckets have not been rebuilt yet. Leaves the gradients alone.
+  void shadow_synchronized_backward();
 
   /// The bucket layout (parameter indices per bucket), for tests and tools:
   /// reverse parameter order until the first synchronised backward, the
@@ -206,6 +260,11 @@ class DistributedDataParallel {
 
   ModuleHolder& module() { return module_; }
   Reducer& reducer() { return *reducer_; }
+  /// Reduces the buckets through `hook` (Note [Communication hooks]; e.g.
+  /// fusetrain::dist::powersgd_hook), once, before the first forward.
+  void register_comm_hook(std::shared_ptr<c10d::CommHookInterface> hook) {
+    reducer_->register_comm_hook(std::move(hook));
+  }
   /// Reducer::stream(): run warm-up, capture and replay of fused steps under
   /// it (c10::StreamGuard) to save cross-stream waits.
   std::optional<c10::Stream> stream() const { return reducer_->stream(); }

@@ -3,6 +3,7 @@
 #include <fusetrain/fusetrain.h>
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/python_comm_hook.h>
 #include <torch/extension.h>
 
 #include <pybind11/stl.h>
@@ -168,6 +169,49 @@ PYBIND11_MODULE(_C, m) {
       .def("prepare_for_backward", &dist::Reducer::prepare_for_backward,
            py::call_guard<py::gil_scoped_release>())
       .def("set_require_sync", &dist::Reducer::set_require_sync)
+      // torch's PythonCommHook: the bucket reaches the hook as a
+      // torch.distributed.GradBucket; the hook runs with the GIL taken.
+      .def("register_comm_hook",
+           [](dist::Reducer& r, py::object state, py::object hook) {
+             r.register_comm_hook(
+                 std::make_shared<c10d::PythonCommHook>(std::move(state), std::move(hook)));
+           },
+           py::arg("state"), py::arg("hook"))
+      // fusetrain's C++ hooks (csrc/dist/comm_hooks.h), PowerSGD's options
+      // under torch's PowerSGDState names.
+      .def("register_builtin_comm_hook",
+           [](dist::Reducer& r, const std::string& name, ProcessGroupPtr group,
+              int64_t matrix_approximation_rank, int64_t start_powerSGD_iter,
+              double min_compression_rate, bool use_error_feedback, bool warm_start,
+              double orthogonalization_epsilon, int64_t random_seed,
+              bool batch_tensors_with_same_shape) {
+             std::shared_ptr<dist::CommHook> hook;
+             if (name == "powersgd") {
+               hook = dist::powersgd_hook(
+                   std::move(group), dist::PowerSGDOptions()
+                                         .matrix_approximation_rank(matrix_approximation_rank)
+                                         .start_powerSGD_iter(start_powerSGD_iter)
+                                         .min_compression_rate(min_compression_rate)
+                                         .use_error_feedback(use_error_feedback)
+                                         .warm_start(warm_start)
+                                         .orthogonalization_epsilon(orthogonalization_epsilon)
+                                         .random_seed(random_seed)
+                                         .batch_tensors_with_same_shape(batch_tensors_with_same_shape));
+             } else {
+               hook = dist::comm_hook_from_name(name, std::move(group));
+               TORCH_CHECK_VALUE(hook != nullptr, "register_builtin_comm_hook: \"none\" is no hook");
+             }
+             r.register_comm_hook(std::move(hook));
+           },
+           py::arg("name"), py::arg("process_group"), py::arg("matrix_approximation_rank"),
+           py::arg("start_powerSGD_iter"), py::arg("min_compression_rate"),
+           py::arg("use_error_feedback"), py::arg("warm_start"),
+           py::arg("orthogonalization_epsilon"), py::arg("random_seed"),
+           py::arg("batch_tensors_with_same_shape"))
+      .def("has_comm_hook", &dist::Reducer::has_comm_hook)
+      .def("set_divide_factor", &dist::Reducer::set_divide_factor, py::arg("factor"))
+      .def("shadow_synchronized_backward", &dist::Reducer::shadow_synchronized_backward,
+           py::call_guard<py::gil_scoped_release>())
       .def("require_sync", &dist::Reducer::require_sync)
       .def("bucket_indices", &dist::Reducer::bucket_indices)
       // Waits for a device event on NCCL: without the GIL.
@@ -188,6 +232,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("params"), py::arg("names"), py::call_guard<py::gil_scoped_release>());
   m.def("broadcast_from_rank0", &dist::broadcast_from_rank0, py::arg("process_group"),
         py::arg("tensors"), py::call_guard<py::gil_scoped_release>());
+  m.def("broadcast_from", &dist::broadcast_from, py::arg("process_group"), py::arg("tensors"),
+        py::arg("root"), py::call_guard<py::gil_scoped_release>());
   m.def("compute_bucket_assignment", &dist::compute_bucket_assignment, py::arg("params"),
         py::arg("first_cap_bytes"), py::arg("cap_bytes"), py::arg("order") = std::vector<size_t>{});
 }

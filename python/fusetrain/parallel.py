@@ -24,6 +24,15 @@ an accumulator made earlier keeps the stream it was made on (a warning says
 so). Running the steps under ``with torch.cuda.stream(model.stream):`` saves
 the cross-stream waits autograd inserts otherwise.
 
+Communication hooks (``register_comm_hook``) take torch's hooks unchanged
+(``torch.distributed.algorithms.ddp_comm_hooks``: allreduce, fp16/bf16
+compression, PowerSGD): each bucket reaches the hook as a
+``torch.distributed.GradBucket``, in bucket order on every rank (Note
+[Communication hooks] in csrc/dist/ddp.h). Uneven inputs: ``with
+model.join():`` (or ``torch.distributed.algorithms.Join([model, ...])``)
+lets ranks that run out of data shadow the collectives of those still
+training, as torch's DDP does (Note [Uneven inputs]).
+
 With a GradScaler the allreduce carries any inf/NaN of one rank's gradients
 to every rank (a sum with inf or NaN is inf or NaN), so every rank's
 ``found_inf`` agrees and all skip the same steps without an extra collective.
@@ -32,10 +41,12 @@ to every rank (a sum with inf or NaN is inf or NaN), so every rank's
 from __future__ import annotations
 
 import contextlib
-from typing import Any, List, Optional
+import inspect
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from . import _C
 
@@ -56,7 +67,32 @@ def _tensors_in(value: Any, out: List[torch.Tensor]) -> List[torch.Tensor]:
     return out
 
 
-class DistributedDataParallel(torch.nn.Module):
+class _DDPJoinHook(JoinHook):
+    """What a joined rank does while others still train (Join's main hook,
+    once per iteration of theirs) and when all have joined (post hook)."""
+
+    def __init__(self, ddp: "DistributedDataParallel", divide_by_initial_world_size: bool):
+        super().__init__()
+        self.ddp = ddp
+        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        ddp = self.ddp
+        # The collectives of one training rank's forward, then its backward.
+        ddp._sync_buffers(joined=True)
+        if ddp._global_requires_backward_sync(joined=True):
+            ddp.reducer.shadow_synchronized_backward()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        # The last rank to join trained on every step: its model is everyone's.
+        ddp = self.ddp
+        root = ddp._find_common_rank(is_last_joiner)
+        state = ddp._params + (list(ddp.module.buffers()) if ddp.broadcast_buffers else [])
+        with torch.no_grad():
+            _C.broadcast_from(ddp.process_group, state, root)
+
+
+class DistributedDataParallel(torch.nn.Module, Joinable):
     """Data-parallel wrapper, torch's argument names and defaults, plus
     ``comm_dtype`` (communicate in float16/bfloat16) and
     ``gradient_predivide_factor`` (divide by it before the allreduce and by
@@ -85,7 +121,8 @@ class DistributedDataParallel(torch.nn.Module):
         comm_dtype: Optional[torch.dtype] = None,
         gradient_predivide_factor: float = 1.0,
     ):
-        super().__init__()
+        torch.nn.Module.__init__(self)
+        Joinable.__init__(self)
         if comm_dtype not in _COMM_DTYPES:
             raise ValueError(
                 f"comm_dtype must be None, torch.float16, torch.bfloat16 or torch.float32, got {comm_dtype}"
@@ -132,13 +169,20 @@ class DistributedDataParallel(torch.nn.Module):
             gradient_predivide_factor=float(gradient_predivide_factor),
         )
         self.require_backward_grad_sync = True
+        self._divide_by_initial_world_size = True
 
     def forward(self, *inputs, **kwargs):
-        if self.broadcast_buffers:
-            buffers = list(self.module.buffers())
-            if buffers:
-                with torch.no_grad():
-                    _C.broadcast_from_rank0(self.process_group, buffers)
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            # Tells the ranks that have joined (if any) that this one has not.
+            work = Join.notify_join_context(self)
+            factor = 0.0  # the world size
+            if work is not None and not self._divide_by_initial_world_size:
+                work.wait()
+                factor = float(work.result()[0].item())  # the ranks still training
+            self.reducer.set_divide_factor(factor)
+        self._sync_buffers(joined=False)
+        if self._join_config.enable:
+            self._global_requires_backward_sync(joined=False)
         output = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled():
             self.reducer.set_require_sync(self.require_backward_grad_sync)
@@ -155,6 +199,130 @@ class DistributedDataParallel(torch.nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = old
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """torch's ``DistributedDataParallel.register_comm_hook``: ``hook(state,
+        bucket)`` reduces each bucket of gradients and returns a
+        ``torch.futures.Future`` of the reduced ``bucket.buffer()`` (which
+        holds this rank's gradients, not yet averaged). Called once per bucket
+        per backward, in bucket order; once per model, before the first
+        forward. torch's own hooks run unchanged, e.g.::
+
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+            state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                           start_powerSGD_iter=10)
+            model.register_comm_hook(state, powerSGD.powerSGD_hook)
+        """
+        if not callable(hook):
+            raise TypeError("Communication hook must be callable.")
+        sig = inspect.signature(hook)
+        bucket = sig.parameters.get("bucket")
+        if bucket is not None and bucket.annotation not in (inspect._empty, dist.GradBucket):
+            raise ValueError("Communication hook: bucket annotation should be dist.GradBucket.")
+        if sig.return_annotation not in (inspect._empty, torch.futures.Future[torch.Tensor]):
+            raise ValueError(
+                "Communication hook: return annotation should be torch.futures.Future[torch.Tensor]."
+            )
+        self.reducer.register_comm_hook(state, hook)
+
+    def register_builtin_comm_hook(
+        self,
+        hook: str,
+        *,
+        matrix_approximation_rank: int = 1,
+        start_powerSGD_iter: int = 1_000,
+        min_compression_rate: float = 2,
+        use_error_feedback: bool = True,
+        warm_start: bool = True,
+        orthogonalization_epsilon: float = 0,
+        random_seed: int = 0,
+        batch_tensors_with_same_shape: bool = False,
+    ) -> None:
+        """One of fusetrain's C++ hooks, which run without the GIL:
+        ``"allreduce"``, ``"fp16"``, ``"bf16"`` (torch's allreduce_hook,
+        fp16_compress_hook, bf16_compress_hook) or ``"powersgd"`` (torch's
+        powerSGD_hook; its options are PowerSGDState's, and it draws the same
+        random initial Qs for the same ``random_seed``, without reseeding
+        torch's global generator). Same rules as ``register_comm_hook``."""
+        self.reducer.register_builtin_comm_hook(
+            hook,
+            self.process_group,
+            matrix_approximation_rank=int(matrix_approximation_rank),
+            start_powerSGD_iter=int(start_powerSGD_iter),
+            min_compression_rate=float(min_compression_rate),
+            use_error_feedback=bool(use_error_feedback),
+            warm_start=bool(warm_start),
+            orthogonalization_epsilon=float(orthogonalization_epsilon),
+            random_seed=int(random_seed),
+            batch_tensors_with_same_shape=bool(batch_tensors_with_same_shape),
+        )
+
+    # ------------------------------------------------------------ join
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """torch's ``DistributedDataParallel.join``: a context manager for
+        uneven inputs. A rank that leaves the ``with model.join():`` block
+        early (out of data) shadows the forward/backward collectives of the
+        ranks still training until all have left it; then every rank takes
+        the model of the last one to leave. Gradients are averaged over the
+        initial world size (joined ranks add zeros) or, with
+        ``divide_by_initial_world_size=False``, over the ranks still training.
+        With ``throw_on_early_termination`` every rank raises as soon as one
+        runs out of data instead."""
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        """The Joinable hook (``divide_by_initial_world_size``, default True)."""
+        return _DDPJoinHook(self, divide_by_initial_world_size=kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._params[0].device
+
+    @property
+    def join_process_group(self):
+        return self.process_group
+
+    def _find_common_rank(self, candidate: bool) -> int:
+        """The highest rank for which `candidate` holds (one allreduce)."""
+        rank = torch.tensor([dist.get_rank(self.process_group) if candidate else -1], device=self.join_device)
+        dist.all_reduce(rank, op=dist.ReduceOp.MAX, group=self.process_group)
+        common = int(rank.item())
+        if common < 0:
+            raise RuntimeError("DistributedDataParallel: no rank qualified as the source of the model")
+        return common
+
+    def _global_requires_backward_sync(self, joined: bool) -> Optional[bool]:
+        """One allreduce telling joined ranks whether the ranks still training
+        synchronise their gradients this iteration (no_sync: they do not)."""
+        flag = torch.tensor([0.0 if joined or not self.require_backward_grad_sync else 1.0], device=self.join_device)
+        work = dist.all_reduce(flag, group=self.process_group, async_op=True)
+        if not joined:
+            return None
+        work.wait()
+        return bool(flag.item() != 0)
+
+    def _sync_buffers(self, joined: bool) -> None:
+        """Buffers from rank 0, or under join from the highest rank still
+        training (as torch's DDP)."""
+        if not self.broadcast_buffers:
+            return
+        buffers = list(self.module.buffers())
+        if not buffers:
+            return
+        root = self._find_common_rank(not joined) if self._join_config.enable else 0
+        with torch.no_grad():
+            _C.broadcast_from(self.process_group, buffers, root)
 
     def bucket_indices(self) -> List[List[int]]:
         """The bucket layout: parameter indices per bucket, in reduction order."""

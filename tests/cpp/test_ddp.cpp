@@ -638,3 +638,58 @@ TEST_CASE("DDP over NCCL captured by FusedSteps equals eager steps", "[dist][ddp
   CHECK(torch::allclose(graph.first, eager.first, 1e-5, 1e-6));
   REQUIRE(max_diff(graph.second, eager.second) <= 1e-5);
 }
+
+TEST_CASE("C++ communication hooks on one gloo rank: names, errors, training", "[dist][ddp][hooks]") {
+  dist::Environment env;
+  env.master_port = dist::free_port();
+  dist::ProcessGroupOptions options;
+  options.timeout = std::chrono::milliseconds(kGroupTimeoutMs);
+  auto group = dist::init_process_group(env, options);
+  CHECK(dist::comm_hook_from_name("none", group) == nullptr);
+  CHECK(dist::comm_hook_from_name("fp16", group)->name() == "fp16");
+  CHECK(dist::comm_hook_from_name("powersgd", group, 2, 10)->name() == "powersgd");
+  CHECK_THROWS_WITH(dist::comm_hook_from_name("int8", group),
+                    Catch::Contains("choose none, allreduce, fp16, bf16 or powersgd"));
+  CHECK_THROWS_WITH(dist::powersgd_hook(group, dist::PowerSGDOptions().start_powerSGD_iter(1)),
+                    Catch::Contains("start_powerSGD_iter` > 1"));
+  CHECK_THROWS_WITH(dist::compress_hook(group, at::kFloat), Catch::Contains("float16 or bfloat16"));
+
+  // World size 1: every hook's average is the gradient itself (PowerSGD
+  // once it compresses: a rank-r approximation of it), and a model trains.
+  for (const std::string name : {"allreduce", "fp16", "bf16", "powersgd"}) {
+    CAPTURE(name);
+    auto net = make_net(3);
+    dist::DistributedDataParallel<torch::nn::Sequential> ddp(net, group, uneven_options());
+    ddp.register_comm_hook(dist::comm_hook_from_name(name, group, 2, 3));
+    CHECK_THROWS_WITH(ddp.register_comm_hook(dist::allreduce_hook(group)),
+                      Catch::Contains("can only be called once"));
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    std::vector<float> losses;
+    for (int step = 0; step < 10; ++step) {
+      auto [x, y] = batch(0, 16, 7, 5);  // one batch, to see the loss fall
+      opt.zero_grad();
+      const at::Tensor loss = torch::mse_loss(ddp.forward(x), y);
+      loss.backward();
+      if (name != "powersgd" && step == 0) {
+        // Before any step the model is make_net(3)'s: gradients as without DDP.
+        auto plain = make_net(3);
+        torch::mse_loss(plain->forward(x), y).backward();
+        const double tol = name == "allreduce" ? 0 : 1e-2;  // 16-bit round trip: 2^-8 relative
+        for (size_t i = 0; i < plain->parameters().size(); ++i) {
+          const at::Tensor g = plain->parameters()[i].grad();
+          CHECK((net->parameters()[i].grad() - g).abs().max().item<double>() <=
+                tol * g.abs().max().item<double>());
+        }
+      }
+      opt.step();
+      losses.push_back(loss.item<float>());
+    }
+    CHECK(losses.back() < 0.9f * losses.front());
+  }
+  auto net = make_net(3);
+  dist::DistributedDataParallel<torch::nn::Sequential> late(net, group, uneven_options());
+  auto [x, y] = batch(0, 16, 7, 5);
+  torch::mse_loss(late.forward(x), y).backward();
+  CHECK_THROWS_WITH(late.register_comm_hook(dist::allreduce_hook(group)),
+                    Catch::Contains("before the first forward"));
+}
