@@ -21,6 +21,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <exception>
 #include <limits>
 #include <mutex>
 #include <sstream>
@@ -711,5 +712,102 @@ double Reducer::last_exposed_comm_seconds() const {
 }
 
 std::optional<c10::Stream> Reducer::stream() const { return impl_->stream; }
+
+// ------------------------------------------------------------------ JoinContext
+
+JoinContext::JoinContext(Reducer& reducer, c10::intrusive_ptr<c10d::ProcessGroup> group,
+                         std::vector<at::Tensor> params, std::vector<at::Tensor> buffers,
+                         JoinOptions options, std::function<void()> on_close)
+    : reducer_(reducer),
+      group_(std::move(group)),
+      params_(std::move(params)),
+      buffers_(std::move(buffers)),
+      options_(options),
+      on_close_(std::move(on_close)) {}
+
+JoinContext::~JoinContext() {
+  if (!finished_ && std::uncaught_exceptions() == 0) {
+    try {
+      finish();
+    } catch (const std::exception& e) {
+      TORCH_WARN("DistributedDataParallel: join() could not finish: ", e.what());
+    }
+  }
+  if (on_close_) on_close_();
+}
+
+// [ranks training (one-hot) | ranks synchronising this backward | stop], summed.
+at::Tensor JoinContext::handshake(bool training, bool require_sync, bool stop) {
+  const int world = group_->getSize();
+  at::Tensor flags = at::zeros({world + 2}, at::kFloat);
+  float* f = flags.data_ptr<float>();
+  if (training) f[group_->getRank()] = 1.f;
+  f[world] = training && require_sync ? 1.f : 0.f;
+  f[world + 1] = stop ? 1.f : 0.f;
+  std::vector<at::Tensor> tensors{flags.to(collective_device(group_, params_))};
+  wait_or_throw(group_->allreduce(tensors), "join()'s handshake");
+  return tensors[0].to(at::kCPU);
+}
+
+namespace {
+
+// The highest rank flagged in flags[0, world), or -1.
+int highest_flagged(const at::Tensor& flags, int world) {
+  const float* f = flags.const_data_ptr<float>();
+  for (int r = world - 1; r >= 0; --r) {
+    if (f[r] > 0) return r;
+  }
+  return -1;
+}
+
+}  // namespace
+
+void JoinContext::before_forward(bool require_sync, const std::vector<at::Tensor>& buffers) {
+  TORCH_CHECK(!finished_, "DistributedDataParallel: a training forward after join's finish()");
+  const int world = group_->getSize();
+  const at::Tensor h = handshake(/*training=*/true, require_sync, /*stop=*/false);
+  if (h.const_data_ptr<float>()[world + 1] != 0) {
+    finished_ = true;  // every rank leaves the protocol here
+    reducer_.set_divide_factor(0.0);
+    // torch's Join's words.
+    TORCH_CHECK(false, "Detected at least one rank that exhausted inputs. Throwing across all ranks.");
+  }
+  const double training = h.narrow(0, 0, world).sum().item<double>();
+  reducer_.set_divide_factor(options_.divide_by_initial_world_size() ? 0.0 : training);
+  if (!buffers.empty()) {
+    at::NoGradGuard no_grad;
+    broadcast_from(group_, buffers, highest_flagged(h, world));
+  }
+}
+
+void JoinContext::finish() {
+  if (finished_) return;
+  finished_ = true;
+  const int world = group_->getSize();
+  bool last = true;
+  while (true) {
+    const at::Tensor h = handshake(false, false, options_.throw_on_early_termination());
+    const int root = highest_flagged(h, world);
+    if (root < 0) break;  // every rank has finished
+    TORCH_CHECK(!options_.throw_on_early_termination(), "Rank ", group_->getRank(),
+                " exhausted all inputs.");
+    last = false;
+    if (!buffers_.empty()) {
+      at::NoGradGuard no_grad;
+      broadcast_from(group_, buffers_, root);
+    }
+    if (h.const_data_ptr<float>()[world] > 0) reducer_.shadow_synchronized_backward();
+  }
+  reducer_.set_divide_factor(0.0);
+  // The last rank to finish trained on every step: its model is everyone's.
+  at::Tensor mine = at::zeros({world}, at::kFloat);
+  if (last) mine.data_ptr<float>()[group_->getRank()] = 1.f;
+  std::vector<at::Tensor> votes{mine.to(collective_device(group_, params_))};
+  wait_or_throw(group_->allreduce(votes), "join()'s choice of the final model");
+  std::vector<at::Tensor> state = params_;
+  state.insert(state.end(), buffers_.begin(), buffers_.end());
+  at::NoGradGuard no_grad;
+  broadcast_from(group_, state, highest_flagged(votes[0].to(at::kCPU), world));
+}
 
 }  // namespace fusetrain::dist

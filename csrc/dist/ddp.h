@@ -80,6 +80,7 @@
 #include <torch/nn/module.h>
 #include <torch/ordered_dict.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -195,6 +196,56 @@ class Reducer {
   std::shared_ptr<Impl> impl_;
 };
 
+/// Options of DistributedDataParallel::join (torch's names and defaults).
+struct JoinOptions {
+  /// Average over the initial world size (the joined ranks add zeros); off,
+  /// over the ranks still training.
+  TORCH_ARG(bool, divide_by_initial_world_size) = true;
+  /// Once any rank runs out of data every rank throws (at its next forward,
+  /// or in finish()) instead of training on.
+  TORCH_ARG(bool, throw_on_early_termination) = false;
+};
+
+/// Note [Uneven inputs] in C++ (the Python face uses torch's Join): while a
+/// JoinContext lives, each training forward starts with one allreduce of
+/// [which ranks train (one-hot), whether they synchronise this backward,
+/// whether one asks all to stop]; finish() on a rank out of data answers
+/// those with zeros, shadowing buffer broadcasts and backward collectives,
+/// until no rank trains; then every rank takes the model of the last one to
+/// finish. Made by DistributedDataParallel::join().
+class JoinContext {
+ public:
+  /// `on_close` runs when the context is destroyed (the DDP forgets it).
+  JoinContext(Reducer& reducer, c10::intrusive_ptr<c10d::ProcessGroup> group,
+              std::vector<at::Tensor> params, std::vector<at::Tensor> buffers, JoinOptions options,
+              std::function<void()> on_close = {});
+  /// finish() unless it ran or an exception is unwinding (with
+  /// throw_on_early_termination call finish() yourself: a destructor cannot
+  /// throw); an error here is a warning.
+  ~JoinContext();
+  JoinContext(const JoinContext&) = delete;
+  JoinContext& operator=(const JoinContext&) = delete;
+
+  /// A training rank's handshake before its forward (DistributedDataParallel
+  /// calls it); broadcasts `buffers` from the highest training rank when
+  /// given. Throws on every rank once one asked to stop.
+  void before_forward(bool require_sync, const std::vector<at::Tensor>& buffers);
+
+  /// This rank is out of data: shadow the others until all are, then share
+  /// the last finisher's parameters and buffers. Idempotent.
+  void finish();
+
+ private:
+  at::Tensor handshake(bool training, bool require_sync, bool stop);
+
+  Reducer& reducer_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  std::vector<at::Tensor> params_, buffers_;
+  JoinOptions options_;
+  std::function<void()> on_close_;
+  bool finished_ = false;
+};
+
 /// DistributedDataParallel for a torch::nn module holder (e.g. a TORCH_MODULE
 /// type or std::shared_ptr<M>):
 ///
@@ -230,9 +281,12 @@ class DistributedDataParallel {
 
   template <typename... Args>
   auto forward(Args&&... args) {
-    if (options_.broadcast_buffers()) {
-      const auto buffers = module_->buffers();
-      if (!buffers.empty()) broadcast_from_rank0(group_, buffers);
+    const std::vector<at::Tensor> buffers =
+        options_.broadcast_buffers() ? module_->buffers() : std::vector<at::Tensor>{};
+    if (join_ != nullptr && at::GradMode::is_enabled()) {
+      join_->before_forward(reducer_->require_sync(), buffers);  // broadcasts the buffers
+    } else if (!buffers.empty()) {
+      broadcast_from_rank0(group_, buffers);
     }
     auto output = module_->forward(std::forward<Args>(args)...);
     if (at::GradMode::is_enabled()) reducer_->prepare_for_backward(tensors_of(output));
@@ -256,6 +310,29 @@ class DistributedDataParallel {
   };
   [[nodiscard]] std::unique_ptr<NoSyncGuard> no_sync() {
     return std::make_unique<NoSyncGuard>(*reducer_);
+  }
+
+  /// Uneven inputs (Note [Uneven inputs], torch's DDP.join()):
+  ///
+  ///   {
+  ///     auto join = ddp.join();
+  ///     for (auto& batch : this_ranks_batches) { /* forward, backward, step */ }
+  ///     join->finish();   // shadows the others until every rank is done
+  ///   }
+  ///
+  /// The returned context must not outlive this object.
+  [[nodiscard]] std::unique_ptr<JoinContext> join(JoinOptions options = {}) {
+    TORCH_CHECK(join_ == nullptr, "DistributedDataParallel: join() is already active");
+    std::vector<at::Tensor> params;
+    for (const auto& p : module_->parameters()) {
+      if (p.requires_grad()) params.push_back(p);
+    }
+    auto context = std::make_unique<JoinContext>(
+        *reducer_, group_, params,
+        options_.broadcast_buffers() ? module_->buffers() : std::vector<at::Tensor>{}, options,
+        [this] { join_ = nullptr; });
+    join_ = context.get();
+    return context;
   }
 
   ModuleHolder& module() { return module_; }
@@ -295,6 +372,7 @@ class DistributedDataParallel {
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   DDPOptions options_;
   std::unique_ptr<Reducer> reducer_;
+  JoinContext* join_ = nullptr;  // the live join() context, if any
 };
 
 }  // namespace fusetrain::dist

@@ -282,6 +282,67 @@ void worker_equivalence(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int
   REQUIRE(max_diff(lin->parameters(), lin_ref->parameters()) <= kTol);
 }
 
+// Uneven inputs: rank r has 5 + 3r batches and trains under join(). Equal
+// to one process that, at each step, averages the gradients of the ranks
+// that still have a batch over the initial world size (or over those ranks,
+// without divide_by_initial_world_size); every rank ends with that model.
+// With throw_on_early_termination every rank throws once rank 0 is out.
+void worker_join(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int rank, int world) {
+  auto count = [](int r) { return 5 + 3 * r; };
+  for (const bool initial : {true, false}) {
+    CAPTURE(initial);
+    auto net = make_net(100 + rank);
+    auto ref = make_net(100);
+    dist::DistributedDataParallel<torch::nn::Sequential> ddp(net, group, uneven_options());
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    torch::optim::SGD opt_ref(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    {
+      auto join = ddp.join(dist::JoinOptions().divide_by_initial_world_size(initial));
+      for (int step = 0; step < count(rank); ++step) {
+        auto [x, y] = batch(step, 6 * world, 7, 5);
+        opt.zero_grad();
+        torch::mse_loss(ddp.forward(shard(x, rank, world)), shard(y, rank, world)).backward();
+        opt.step();
+      }
+      join->finish();
+    }
+    for (int step = 0; step < count(world - 1); ++step) {
+      auto [x, y] = batch(step, 6 * world, 7, 5);
+      opt_ref.zero_grad();
+      int active = 0;
+      for (int r = 0; r < world; ++r) {
+        if (step >= count(r)) continue;
+        ++active;
+        torch::mse_loss(ref->forward(shard(x, r, world)), shard(y, r, world)).backward();
+      }
+      const torch::NoGradGuard no_grad;
+      for (auto& p : ref->parameters()) p.mutable_grad().div_(initial ? world : active);
+      opt_ref.step();
+    }
+    REQUIRE(max_diff(net->parameters(), ref->parameters()) <= kTol);
+  }
+  auto net = make_net(100 + rank);
+  dist::DistributedDataParallel<torch::nn::Sequential> ddp(net, group, uneven_options());
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05));
+  auto join = ddp.join(dist::JoinOptions().throw_on_early_termination(true));
+  int steps = 0;
+  bool threw = false;
+  try {
+    for (int step = 0; step < count(rank); ++step) {
+      auto [x, y] = batch(step, 6 * world, 7, 5);
+      opt.zero_grad();
+      torch::mse_loss(ddp.forward(shard(x, rank, world)), shard(y, rank, world)).backward();
+      opt.step();
+      ++steps;
+    }
+    join->finish();
+  } catch (const c10::Error& e) {
+    threw = std::string(e.what()).find("exhausted") != std::string::npos;
+  }
+  REQUIRE(threw);
+  REQUIRE(steps == count(0));
+}
+
 // k micro-batches per rank, the first k-1 inside no_sync(): equal to one
 // process on the whole batch; inside the guard the gradients are local.
 void worker_no_sync(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int rank, int world) {
@@ -394,6 +455,8 @@ TEST_CASE("ddp_worker", "[.ddp_worker]") {
     worker_mismatch(group, env->rank, env->world_size);
   } else if (name == "dead") {
     worker_dead(group, env->rank, env->world_size);
+  } else if (name == "join") {
+    worker_join(group, env->rank, env->world_size);
   } else {
     FAIL("unknown scenario " << name);
   }
@@ -417,6 +480,14 @@ TEST_CASE("DDP no_sync accumulation equals one large batch", "[dist][ddp]") {
   for (int world : {2, 3}) {
     INFO("world size " << world);
     require_exit_codes(spawn_world(world, "no_sync"));
+  }
+}
+
+TEST_CASE("DDP join(): uneven inputs equal one process, every rank ends with the same model",
+          "[dist][ddp]") {
+  for (int world : {2, 3}) {
+    INFO("world size " << world);
+    require_exit_codes(spawn_world(world, "join"));
   }
 }
 
