@@ -1,10 +1,21 @@
 """Builds the fusetrain Python package by driving the project's one CMake
 build (CMakeLists.txt); the extension and libfusetrain come from there.
 
-    pip install --no-build-isolation .        # a wheel
-    pip install --no-build-isolation -e .     # editable, as `make build` does
+    pip install .                             # build requirements: pyproject.toml
+    pip install --no-build-isolation .        # with those already installed
+    pip wheel --no-build-isolation --no-deps . -w dist/
 
-FUSETRAIN_BUILD_DIR picks the CMake build folder (default: build/).
+The wheel's libraries find torch's beside them in site-packages through a
+RUNPATH relative to their folder (FUSETRAIN_RELOCATABLE_RPATH, Note [Wheel
+RUNPATH] in CMakeLists.txt), so a wheel built in one environment works in any
+other with the same torch. An editable install (`pip install -e .`) copies
+libraries that record this environment's torch into python/fusetrain/ instead,
+as `make build` does.
+
+FUSETRAIN_BUILD_DIR picks the CMake build folder (default: build-wheel/, or
+build-editable/ for an editable install; build/ is `make build`'s). It is
+kept between builds (ccache and ninja make a rebuild quick) and configured
+afresh when the torch it was configured for is no longer the one building.
 """
 
 import os
@@ -13,10 +24,29 @@ import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
+STAGING = ROOT / "build-wheel" / "setuptools"
+STAGING.mkdir(parents=True, exist_ok=True)  # egg_info wants its folder to exist
+
+
+def cmake_build_dir(editable: bool) -> Path:
+    default = ROOT / ("build-editable" if editable else "build-wheel")
+    return Path(os.environ.get("FUSETRAIN_BUILD_DIR", default)).resolve()
+
+
+def cached(build_dir: Path, name: str):
+    """The value of NAME in BUILD_DIR's CMakeCache.txt, or None."""
+    cache = build_dir / "CMakeCache.txt"
+    if not cache.exists():
+        return None
+    for line in cache.read_text().splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.split(":")[0] == name:
+            return value
+    return None
 
 
 class CMakeExtension(Extension):
@@ -25,13 +55,29 @@ class CMakeExtension(Extension):
 
 
 class CMakeBuild(build_ext):
+    def run(self):
+        # build_ext.run clears `inplace` while it builds (and copies the
+        # extension into the source tree afterwards): note it first.
+        self.editable = bool(self.inplace or getattr(self, "editable_mode", False))
+        super().run()
+
     def build_extension(self, ext):
-        build_dir = Path(os.environ.get("FUSETRAIN_BUILD_DIR", ROOT / "build")).resolve()
-        if not (build_dir / "CMakeCache.txt").exists():
+        editable = self.editable
+        build_dir = cmake_build_dir(editable)
+        relocatable = "OFF" if editable else "ON"
+        torch_dir = subprocess.check_output(
+            [sys.executable, "-c", "import torch, os; print(os.path.join(torch.utils.cmake_prefix_path, 'Torch'))"],
+            text=True).strip()
+        # pip's isolated builds bring a new torch each time: a cache that
+        # points at another one (or another RUNPATH mode) is configured afresh.
+        if (cached(build_dir, "Torch_DIR") != torch_dir
+                or cached(build_dir, "FUSETRAIN_RELOCATABLE_RPATH") != relocatable):
+            fresh = ["--fresh"] if (build_dir / "CMakeCache.txt").exists() else []
             generator = ["-G", "Ninja"] if shutil.which("ninja") else []
             subprocess.check_call(
-                ["cmake", "-S", str(ROOT), "-B", str(build_dir), *generator,
-                 f"-DPython3_EXECUTABLE={sys.executable}"]
+                ["cmake", *fresh, "-S", str(ROOT), "-B", str(build_dir), *generator,
+                 f"-DPython3_EXECUTABLE={sys.executable}",
+                 f"-DFUSETRAIN_RELOCATABLE_RPATH={relocatable}", "-DFUSETRAIN_TESTS=OFF"]
             )
         subprocess.check_call(
             ["cmake", "--build", str(build_dir), "--target", "_C", "-j", str(os.cpu_count() or 2)]
@@ -41,6 +87,13 @@ class CMakeBuild(build_ext):
         built = next(build_dir.glob("_C.*.so"))
         shutil.copy2(built, target)
         shutil.copy2(build_dir / "libfusetrain.so", target.parent / "libfusetrain.so")
+        if editable:
+            # Only _C is copied into the source tree by setuptools. Copied,
+            # then renamed over the old one, so a running Python keeps its
+            # mapped copy (as scripts/install-python.sh does).
+            dest = ROOT / "python" / "fusetrain" / "libfusetrain.so"
+            shutil.copy2(build_dir / "libfusetrain.so", f"{dest}.new")
+            os.replace(f"{dest}.new", dest)
 
 
 setup(
@@ -48,9 +101,12 @@ setup(
     version="0.1.0",
     description="Fast mixed-precision, data-parallel PyTorch training",
     package_dir={"": "python"},
-    packages=["fusetrain"],
+    packages=find_packages(where="python"),
     ext_modules=[CMakeExtension("fusetrain._C")],
     cmdclass={"build_ext": CMakeBuild},
+    # setuptools' own staging would default to build/ (`make build`'s) and
+    # python/fusetrain.egg-info (which would make python/ look installed).
+    options={"build": {"build_base": str(STAGING)}, "egg_info": {"egg_base": str(STAGING)}},
     python_requires=">=3.10",
     install_requires=["torch==2.11.*"],
     zip_safe=False,
