@@ -29,6 +29,8 @@ Every measurement runs in worker processes started here (this file with
 ``--worker``), rendezvousing on a TCPStore this process hosts on a free
 loopback port; they have a deadline and are killed past it. Any failure
 becomes a row whose notes say what went wrong; the suite goes on.
+``launch_workers`` and ``worker_main`` are that machinery; bench_hooks.py
+starts its own workers through them.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -111,24 +114,39 @@ def run(ctx: Context) -> list:
     if ctx.is_cuda:
         name = "ddp world-1 overhead, nccl"
         try:
-            return _gpu_rows(ctx, _launch(1, "gpu", ctx))
+            return _gpu_rows(ctx, launch_workers(1, "gpu", ctx))
         except Exception as e:  # noqa: BLE001 - a failing benchmark must not stop the suite
             return [error_row(name, f"{type(e).__name__}: {e}")]
     name = f"ddp step, gloo {CPU_WORLD} ranks"
     try:
-        return _cpu_rows(ctx, _launch(CPU_WORLD, "cpu", ctx))
+        return _cpu_rows(ctx, launch_workers(CPU_WORLD, "cpu", ctx))
     except Exception as e:  # noqa: BLE001
         return [error_row(name, f"{type(e).__name__}: {e}")]
 
 
-def _launch(world: int, mode: str, ctx: Context) -> dict:
-    """Runs the workers; returns rank 0's findings (raises with the logs on
-    failure or past the deadline)."""
+def launch_workers(
+    world: int,
+    mode: str,
+    ctx: Context,
+    *,
+    script: Optional[Path] = None,
+    deadline_s: float = WORKER_DEADLINE_S,
+    pg_timeout_s: float = 300.0,
+    worker_arg: str = "",
+) -> dict:
+    """Runs ``world`` workers (``script --worker mode``, this file by default,
+    whose ``__main__`` calls ``worker_main``); returns rank 0's findings
+    (raises with the logs' tails on failure or past ``deadline_s``).
+    ``pg_timeout_s`` bounds each collective; ``worker_arg`` reaches the
+    worker function as its last argument."""
     import torch.distributed as dist
 
-    threads = max(1, (os.cpu_count() or 2) // world) if mode == "cpu" else ctx.threads
+    script = Path(__file__).resolve() if script is None else Path(script).resolve()
+
+    # On the CPU the ranks share the cores: one thread each on 2 cores.
+    threads = ctx.threads if mode == "gpu" else max(1, (os.cpu_count() or 2) // world)
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=120), wait_for_workers=False)
-    with tempfile.TemporaryDirectory(prefix="fusetrain_bench_ddp_") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"fusetrain_bench_{script.stem}_") as tmp:
         env = dict(os.environ)
         env.update(
             WORLD_SIZE=str(world),
@@ -144,12 +162,13 @@ def _launch(world: int, mode: str, ctx: Context) -> dict:
             log = open(Path(tmp) / f"rank{rank}.log", "w")
             logs.append(log)
             cmd = [
-                sys.executable, str(Path(__file__).resolve()), "--worker", mode, "--out", tmp,
+                sys.executable, str(script), "--worker", mode, "--out", tmp,
                 "--threads", str(threads), "--warmup", str(ctx.warmup), "--repeats", str(ctx.repeats),
+                "--pg-timeout", str(pg_timeout_s), "--arg", worker_arg,
             ] + (["--quick"] if ctx.quick else [])
             procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
                                           stdout=log, stderr=subprocess.STDOUT, cwd=str(HERE)))
-        deadline = time.monotonic() + WORKER_DEADLINE_S
+        deadline = time.monotonic() + deadline_s
         try:
             while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
                 time.sleep(0.1)
@@ -267,14 +286,30 @@ def _gpu_rows(ctx: Context, f: dict) -> list:
 # ====================================================================== worker
 
 
-def _worker(argv) -> None:
+def worker_main(argv, workers: dict) -> None:
+    """A worker process's life: joins the process group (gloo, or NCCL for
+    mode "gpu"), runs ``workers[mode](ctx, rank, world, arg)``, has rank 0
+    write what it returns (a JSON-able dict) for ``launch_workers`` and exits,
+    0 or, after printing the traceback, 1."""
+    try:
+        _worker(argv, workers)
+    except Exception:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _worker(argv, workers: dict) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--worker", choices=("cpu", "gpu"), required=True)
+    ap.add_argument("--worker", choices=sorted(workers), required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--pg-timeout", type=float, default=300.0)
+    ap.add_argument("--arg", default="")
     args = ap.parse_args(argv)
     import torch.distributed as dist
 
@@ -289,11 +324,11 @@ def _worker(argv) -> None:
     if backend == "nccl":
         torch.cuda.set_device(0)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
+                            timeout=timedelta(seconds=args.pg_timeout))
     device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
     ctx = Context(device=device, quick=args.quick, threads=args.threads, warmup=args.warmup,
                   repeats=args.repeats)
-    found = _cpu_worker(ctx, rank, world) if args.worker == "cpu" else _gpu_worker(ctx)
+    found = workers[args.worker](ctx, rank, world, args.arg)
     if rank == 0:
         Path(args.out, "result.json").write_text(json.dumps(found))
     if world > 1:
@@ -482,11 +517,11 @@ def _gpu_worker(ctx: Context) -> dict:
     }
 
 
+WORKERS = {
+    "cpu": lambda ctx, rank, world, arg: _cpu_worker(ctx, rank, world),
+    "gpu": lambda ctx, rank, world, arg: _gpu_worker(ctx),
+}
+
+
 if __name__ == "__main__":
-    try:
-        _worker(sys.argv[1:])
-    except Exception:
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+    worker_main(sys.argv[1:], WORKERS)

@@ -19,3 +19,18 @@ def test_step_fusion_and_e2e_benchmarks_run_on_the_cpu(tmp_path):
         assert row in p.stdout, row
     assert "ERROR" not in p.stdout
     assert len(list(tmp_path.glob("*.json"))) == 1
+
+
+def test_ddp_hooks_benchmark_runs_on_the_cpu(tmp_path):
+    """bench_hooks (two gloo ranks: hooks, compression, PowerSGD, and torch's
+    DDP + PowerSGD, whose gloo crash is a note, not an error row)."""
+    import json
+
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--only", "hooks", "--quick",
+                        "--results-dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    for row in ("ddp hooks: no hook", 'builtin "bf16" (C++)', "comm_dtype=torch.bfloat16",
+                "powerSGD_hook rank 1 (Python)", 'builtin "powersgd" rank 1', "data sent/rank/step, PowerSGD rank 1"):
+        assert row in p.stdout, row
+    rows = json.loads(next(tmp_path.glob("*.json")).read_text())["results"]
+    assert not [r["benchmark"] for r in rows if r.get("error")]
