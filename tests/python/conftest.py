@@ -3,6 +3,12 @@
 The GradScaler tests run torch.amp.GradScaler("cpu") and
 fusetrain.amp.GradScaler("cpu") side by side; the helpers here build the
 identical models, data and comparisons both runs use.
+
+Tests that need a CUDA GPU carry ``@pytest.mark.cuda``: the GPU box selects
+exactly those (``pytest -m cuda`` in scripts/gpu_check.sh), and elsewhere the
+hook below skips them, so no CUDA test can be left out of either run by its
+name. (Tests of the no-CUDA fallback skip where CUDA *is* available instead;
+they are CPU tests and carry no marker.)
 """
 
 from __future__ import annotations
@@ -102,6 +108,22 @@ def make_batches(n: int, seed: int = 1, batch: int = 8, d_in: int = 12, d_out: i
         (torch.randn(batch, d_in, generator=g).to(dtype), torch.randn(batch, d_out, generator=g).to(dtype))
         for _ in range(n)
     ]
+
+
+NEEDS_CUDA = "needs a CUDA GPU (runs in make gpu-check)"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"cuda: the test {NEEDS_CUDA}; skipped without one")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=NEEDS_CUDA)
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
 
 
 # One intra-op thread: these tests use tiny models, and on a busy 2-core

@@ -229,11 +229,26 @@ def test_unscale_rejects_bad_arguments_naming_them():
 
 
 def test_meta_kernel_traces_without_data():
+    """Tracing (torch.compile's fake tensors) goes through the Meta kernels:
+    they take what the CPU kernel takes, return update_scale_'s self, and
+    reject what it rejects, with the same message."""
     ts = [torch.empty(10, device="meta"), torch.empty(3, 3, device="meta", dtype=torch.bfloat16)]
-    unscale_(ts, torch.empty((), device="meta"), torch.empty((), device="meta"))
+    found = torch.empty((), device="meta")
+    assert unscale_(ts, found, torch.empty((), device="meta")) is None
+    assert [(t.shape, t.dtype, t.device.type) for t in ts] == [
+        ((10,), torch.float32, "meta"), ((3, 3), torch.bfloat16, "meta")]
     scale = torch.empty((), device="meta")
     tracker = torch.empty((), device="meta", dtype=torch.int32)
-    update_scale_(scale, tracker, tracker.clone(), torch.empty((), device="meta"), 2.0, 0.5, 10, INF, 0)
+    out = update_scale_(scale, tracker, tracker.clone(), torch.empty((), device="meta"), 2.0, 0.5, 10, INF, 0)
+    assert out is scale
+    with pytest.raises(RuntimeError, match=r"self\[1\].*floating point.*Long"):
+        unscale_([ts[0], torch.empty(3, device="meta", dtype=torch.int64)], found, found.clone())
+    with pytest.raises(RuntimeError, match=r"inv_scale must hold exactly one element"):
+        unscale_(ts, found, torch.empty(2, device="meta"))
+    with pytest.raises(RuntimeError, match="growth_tracker must be Int"):
+        update_scale_(scale, torch.empty((), device="meta"), tracker, found, 2.0, 0.5, 10, INF, 0)
+    with pytest.raises(RuntimeError, match="growth_interval must be > 0"):
+        update_scale_(scale, tracker, tracker.clone(), found, 2.0, 0.5, 0, INF, 0)
 
 
 # --------------------------------------------------------------- update_scale_
@@ -333,10 +348,8 @@ def test_mixed_dtypes_in_one_call_match_torch():
 
 # ------------------------------------------------------------ CUDA (GPU box)
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the GPU box)")
 
-
-@cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cuda_unscale_matches_the_cpu_kernel_and_torch(dtype):
     """The CUDA kernel gives the CPU kernel's bits (itself checked against
@@ -369,7 +382,7 @@ def test_cuda_unscale_matches_the_cpu_kernel_and_torch(dtype):
             assert f_theirs.item() == f_gpu.item()
 
 
-@cuda
+@pytest.mark.cuda
 def test_cuda_update_scale_matches_torch():
     rng = random.Random(5)
     for gf, bf, gi in [(2.0, 0.5, 1), (1.5, 0.7, 3)]:

@@ -21,11 +21,6 @@ from conftest import assert_bits_equal
 INF, NAN = float("inf"), float("nan")
 SIZES = [(278011,), (7, 3), (1,), (65537,), (0,), (33, 257)]
 
-cuda = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="CUDA is not available: the CUDA kernels are tested on the GPU box (make gpu-check)",
-)
-
 
 def make_params(dtype=torch.float32, sizes=SIZES, seed=0, scale=1.0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
@@ -256,6 +251,64 @@ def test_l2norm_errors_name_the_tensor():
         torch.ops.fusetrain.multi_tensor_l2norm([torch.ones(3), torch.ones(3, dtype=torch.int64)], False)
 
 
+# Chunk lengths: the CPU op's work items (csrc/ops/optim.cpp) and the CUDA
+# kernels' (csrc/kernels/multi_tensor_apply.cuh); 65536 is a multiple of both.
+CPU_CHUNK, CUDA_CHUNK = 32768, 65536
+SPIKE = 100.0
+
+
+def spiked(n: int, dtype: torch.dtype, device: str, misaligned: bool):
+    """n values of 1e-2 noise with +-SPIKE at the first and last element of
+    every CPU and CUDA chunk and at the last three (a 4-element vector
+    load's ragged tail); a view one element into its buffer when misaligned
+    (the CUDA kernel then takes its scalar path instead of 16-byte loads).
+    Returns the tensor and the spikes' positions."""
+    g = torch.Generator().manual_seed(n)
+    values = torch.randn(n, generator=g) * 1e-2
+    edges = {k * CPU_CHUNK + d for k in range(1, n // CPU_CHUNK + 1) for d in (-1, 0)}
+    where = sorted(i for i in edges | {0, n - 3, n - 2, n - 1} if 0 <= i < n)
+    values[where] = SPIKE * (1 - 2 * (torch.arange(len(where)) % 2)).float()
+    buf = torch.zeros(n + 1, dtype=dtype, device=device)
+    t = buf[1:] if misaligned else buf[:n]
+    t.copy_(values.to(dtype))
+    return t, where
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, "mixed"],
+                         ids=["fp32", "fp16", "bf16", "mixed"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_l2norm_counts_every_chunk_edge_and_tail(device, dtype):
+    """A whole-tensor norm at rtol 1e-5 hides dropped elements of ordinary
+    size (dropping the first or the last element of every 64K chunk moves
+    the norms of test_cuda_l2norm_matches_cpu_op's gradients by at most
+    9e-6): here 4 to 20 spikes carry nearly all of each norm, so a kernel
+    that skips or double-counts any chunk's first or last element, or a tail
+    element, misses the reference by about 1/(2 * spikes) relative, far past
+    the tolerance (checked below on the reference itself). Aligned tensors (vector loads) and misaligned views
+    (scalar loads) in one call; "mixed" puts the three dtypes in one call
+    (per-dtype launches scattered back into order)."""
+    shapes = [278011, 65537, CUDA_CHUNK, 65542, 7]
+    dtypes = [torch.float32, torch.float16, torch.bfloat16] if dtype == "mixed" else [dtype]
+    tensors, spikes = [], []
+    for i, n in enumerate(shapes):
+        for misaligned in (False, True):
+            t, where = spiked(n, dtypes[(i + misaligned) % len(dtypes)], device, misaligned)
+            tensors.append(t)
+            spikes.append(where)
+    assert not all(t.data_ptr() % 16 == 0 for t in tensors) and any(t.data_ptr() % 16 == 0 for t in tensors)
+    if device == "cuda":
+        _poison_cuda_allocator()
+    total, per = torch.ops.fusetrain.multi_tensor_l2norm(tensors, True)
+    rtol = 1e-5  # the CUDA tests' fp32-accumulation tolerance; the CPU op's fp64 is far inside it
+    squares = [t.detach().double().cpu().square() for t in tensors]
+    want = torch.stack([sq.sum() for sq in squares]).sqrt()
+    for sq, where, norm in zip(squares, spikes, want):
+        dropped = (norm.square() - sq[where]).sqrt()  # the norm without each spike, one at a time
+        assert bool(((norm - dropped) / norm > 100 * rtol).all()), "a spike too small to be missed"
+    torch.testing.assert_close(per.double().cpu(), want, rtol=rtol, atol=0)
+    torch.testing.assert_close(total.double().cpu(), want.square().sum().sqrt(), rtol=rtol, atol=0)
+
+
 # ------------------------------------------------------------------- CUDA
 
 
@@ -267,7 +320,7 @@ def _poison_cuda_allocator(nbytes=256 << 20):
         torch.full((n,), NAN, device="cuda")
 
 
-@cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 def test_cuda_l2norm_matches_cpu_op(dtype):
     g = torch.Generator().manual_seed(5)
@@ -289,7 +342,7 @@ def test_cuda_l2norm_matches_cpu_op(dtype):
     assert empty.numel() == 0
 
 
-@cuda
+@pytest.mark.cuda
 def test_cuda_l2norm_mixed_dtypes_keep_their_order():
     g = torch.Generator().manual_seed(6)
     cpu = [torch.randn(n, generator=g).to(dt) for n, dt in
@@ -302,7 +355,7 @@ def test_cuda_l2norm_mixed_dtypes_keep_their_order():
     torch.testing.assert_close(total.cpu(), total_c, rtol=1e-5, atol=0)
 
 
-@cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_clip_grad_norm_matches_torch(dtype):
     ours = make_params(dtype, device="cuda")
@@ -319,7 +372,7 @@ def test_cuda_clip_grad_norm_matches_torch(dtype):
     assert err_o <= max(2 * err_t, 2e-5), (err_o, err_t)
 
 
-@cuda
+@pytest.mark.cuda
 def test_cuda_l2norm_over_more_tensors_than_one_launch_holds():
     # 17000 tensors, 8500 of each dtype: the per-tensor sums and the dtype
     # scatter each take two launches (their index lists travel as kernel
@@ -335,7 +388,7 @@ def test_cuda_l2norm_over_more_tensors_than_one_launch_holds():
     torch.testing.assert_close(total.cpu(), total_c, rtol=1e-5, atol=0)
 
 
-@cuda
+@pytest.mark.cuda
 def test_cuda_l2norm_is_capturable():
     # Nothing is staged through host memory: a graph replay sees new values.
     xs = [torch.randn(n, device="cuda") for n in (70000, 3, 65536)] + [torch.randn(9, device="cuda").bfloat16()]

@@ -1,15 +1,19 @@
 """fusetrain.nn.functional.softmax_cross_entropy against F.cross_entropy.
 
 Forward and backward for every dtype, reduction, label smoothing and
-ignore_index case, odd class counts and batch sizes. Results are held to torch's own accuracy: the error against a float64
-computation on the same (rounded) logits must be within 2x of the error
-torch's kernels make on them (or within one unit of the output dtype). CUDA results are compared
-with the CPU implementation, outputs poisoned first; those tests skip without
-a GPU.
+ignore_index case, odd class counts and batch sizes. The loss (float32 for
+every logits dtype) is held to a float64 computation on the same (rounded)
+logits, within what float32 arithmetic owes it (loss_tolerance); torch's own
+16-bit loss, computed in 16 bits, is no yardstick for it. The gradient (in the
+logits' dtype) is held to torch's own accuracy: its error against float64
+must be within 2x of the error torch's kernels make (or within one unit of
+the output dtype). CUDA results are compared with the CPU implementation,
+outputs poisoned first; those tests skip without a GPU.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -79,6 +83,49 @@ def assert_within_2x_torch(ours, theirs, ref, what, extra=0.0):
     assert e_ours <= bound, f"{what}: our error {e_ours:.3g} > 2x torch's {e_torch:.3g} (bound {bound:.3g})"
 
 
+F32_EPS = torch.finfo(torch.float32).eps  # 2^-23: one fp32 ulp at 1
+
+
+def loss_tolerance(x, t, reduction, label_smoothing):
+    """What float32 arithmetic owes the float64 loss on the same logits.
+
+    Per row, loss = lse - (1 - ls) x_t - ls mean_j x_j, lse = m + log s,
+    s = sum_j exp(x_j - m), m the row's maximum:
+    - each exp term is good to about an ulp (for fp32 logits x_j - m adds
+      |x_j - m| ulps, which the softmax weights average to at most ln C);
+      the kernel sums the terms in blocks of fp32 adds then in fp64, so s's
+      relative error stays within a few ulps times log2(C) for any blocked
+      or tree order, and log s carries it as an absolute error;
+    - the logits' sum (label smoothing) errs the same way relative to
+      sum_j |x_j|, i.e. ls * mean_j |x_j| absolute in the loss;
+    - the row's loss is rounded to fp32 once (half an ulp of |loss|), and a
+      reduction rounds its total once more.
+    So, in units of F32_EPS: |loss_i| + (2 + log2 C) (1 + ls mean_j |x_ij|)
+    a row (0 for ignored rows, which must be exactly 0); the sum, or the
+    mean over the kept rows, of those plus |total| for a reduction.
+    Returns the allowance, elementwise for "none"."""
+    x64 = x.double()
+    row_ref = F.cross_entropy(x64, t, reduction="none", label_smoothing=label_smoothing)
+    kept = t != IGNORE_INDEX
+    growth = 2.0 + math.log2(max(x.shape[1], 1))
+    rows = torch.where(kept, row_ref.abs() + growth * (1.0 + label_smoothing * x64.abs().mean(1)), 0.0)
+    if reduction == "none":
+        return F32_EPS * rows
+    total, ref_total = rows.sum(), row_ref.sum()
+    if reduction == "mean":
+        total, ref_total = total / kept.sum(), ref_total / kept.sum()
+    return F32_EPS * (total + ref_total.abs())
+
+
+def assert_loss_near_float64(loss, ref_loss, x, t, reduction, label_smoothing):
+    tol = loss_tolerance(x, t, reduction, label_smoothing)
+    err = (loss.double() - ref_loss).abs()
+    worst = (err / tol.clamp_min(1e-300)).max().item() if err.numel() else 0.0
+    assert bool((err <= tol).all()), (
+        f"loss: error {err.max().item():.3g} against float64, {worst:.3g}x the fp32 allowance "
+        f"(max {tol.max().item():.3g})")
+
+
 def lse_rounding(x, ref_grad):
     """What storing each row's log-sum-exp in fp32 costs the gradient: p =
     exp(x - lse) inherits lse's rounding, eps * |lse| relative. It matters for
@@ -115,10 +162,11 @@ def test_matches_torch(dtype, n, c, reduction, label_smoothing, ignore):
         if reduction == "none":
             assert torch.equal(loss[ignored], torch.zeros_like(loss[ignored]))
 
-    # The same rule for float32 (torch's label-smoothing path loses digits
-    # that ours keeps, so matching torch's values would be the wrong test).
-    torch_loss, torch_grad = loss_and_grad(F.cross_entropy, x, t, reduction, **kw)
-    assert_within_2x_torch(loss, torch_loss, ref_loss, "loss")
+    assert_loss_near_float64(loss, ref_loss, x, t, reduction, label_smoothing)
+    # The gradient within 2x torch's error for float32 logits too (torch's
+    # label-smoothing path loses digits that ours keeps, so matching torch's
+    # values would be the wrong test).
+    _, torch_grad = loss_and_grad(F.cross_entropy, x, t, reduction, **kw)
     assert_within_2x_torch(grad, torch_grad, ref_grad, "gradient", extra=lse_rounding(x, ref_grad))
 
 
@@ -328,8 +376,6 @@ def test_scalar_cpu_path_matches_vector_path(tmp_path):
 
 # ----------------------------------------------------------------- CUDA
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA tests need a GPU (run make gpu-check)")
-
 
 def poison_cuda_cache(nbytes):
     """Fills the caching allocator's free blocks with NaN so that outputs the
@@ -342,7 +388,7 @@ def poison_cuda_cache(nbytes):
 CUDA_SHAPES = [(5, 1), (13, 7), (257, 1000), (64, 1025), (9, 4097), (6, 32771), (2, 65536)]
 
 
-@requires_cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("ignore", IGNORE)
 @pytest.mark.parametrize("label_smoothing", SMOOTHING)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -356,6 +402,11 @@ def test_cuda_matches_cpu(dtype, n, c, reduction, label_smoothing, ignore):
     xc, tc = x.cuda(), t.cuda()
     loss, grad = loss_and_grad(FF.softmax_cross_entropy, xc, tc, reduction, **kw)
     assert loss.dtype == torch.float32 and grad.dtype == dtype
+    # The loss against the CPU's, which test_matches_torch holds to float64
+    # within the fp32 allowance (~1e-7 relative): 1e-5 leaves room for the
+    # GPU's per-thread fp32 sums of up to C / 256 terms and __expf's few ulps,
+    # and is still over 100x below what a 10% error in label smoothing moves
+    # a row's loss by (0.1 ls |x_t - mean_j x_j|, ~3e-2 for these logits).
     torch.testing.assert_close(loss.cpu(), cpu_loss, rtol=1e-5, atol=1e-5, equal_nan=True)
     # Both round p = exp(x - lse) through an fp32 lse that may differ by an
     # ulp between the two summation orders, and the exps by a few ulps.
@@ -363,14 +414,13 @@ def test_cuda_matches_cpu(dtype, n, c, reduction, label_smoothing, ignore):
     lse = torch.logsumexp(x.float(), 1).abs().max().item() if x.numel() else 0.0
     atol = (eps + 4 * torch.finfo(torch.float32).eps * (1 + lse)) * cpu_grad.abs().max().item()
     torch.testing.assert_close(grad.cpu().float(), cpu_grad.float(), rtol=2 * eps, atol=atol)
-    ref_loss, ref_grad = loss_and_grad(F.cross_entropy, xc.double(), tc, reduction, **kw)
+    _, ref_grad = loss_and_grad(F.cross_entropy, xc.double(), tc, reduction, **kw)
     if dtype != torch.float32 and not (ignore == "all_ignored"):
-        torch_loss, torch_grad = loss_and_grad(F.cross_entropy, xc, tc, reduction, **kw)
+        _, torch_grad = loss_and_grad(F.cross_entropy, xc, tc, reduction, **kw)
         assert_within_2x_torch(grad, torch_grad, ref_grad, "CUDA gradient", extra=lse_rounding(x, ref_grad))
-        assert_within_2x_torch(loss, torch_loss, ref_loss, "CUDA loss")
 
 
-@requires_cuda
+@pytest.mark.cuda
 def test_cuda_misaligned_and_strided_rows():
     base, t = make_case(33, 1001, torch.bfloat16, "some_ignored", seed=7)
     wide = torch.randn(33, 1013).to(torch.bfloat16)
@@ -383,7 +433,7 @@ def test_cuda_misaligned_and_strided_rows():
         torch.testing.assert_close(gpu[1].cpu().float(), cpu[1].float(), rtol=0.016, atol=1e-3 * cpu[1].abs().max().item())
 
 
-@requires_cuda
+@pytest.mark.cuda
 def test_cuda_keeps_no_fp32_copy_of_the_logits():
     n, c = 2048, 32768
     x = (torch.randn(n, c, device="cuda") * 3).to(torch.bfloat16).requires_grad_()
@@ -399,7 +449,7 @@ def test_cuda_keeps_no_fp32_copy_of_the_logits():
     assert extra < x.numel() * x.element_size() * 1.1, extra
 
 
-@requires_cuda
+@pytest.mark.cuda
 def test_cuda_all_ignored_mean_is_nan_without_sync():
     x, t = make_case(8, 100, torch.float16, "all_ignored")
     loss, grad = loss_and_grad(FF.softmax_cross_entropy, x.cuda(), t.cuda(), "mean")

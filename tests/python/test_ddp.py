@@ -27,20 +27,21 @@ group's timeout), and a regression test for a deadlock between the GIL and
 gloo's work queue (fusetrain's collectives must release the GIL).
 
 Tolerances: fp32 comparisons use 1e-6 absolute on parameters of magnitude
-~0.1 (the issue's bound); bfloat16 communication has a bound derived from
-bf16's unit roundoff (test_comm_dtype_bfloat16_within_derived_tolerance).
+~0.1 (the issue's bound); against torch's DDP, exact equality for a world of
+2 (torch_tol); bfloat16 communication has a bound derived from bf16's unit
+roundoff (test_comm_dtype_bfloat16_within_derived_tolerance).
+
+Every test of a launch checks that each rank left its results and ran the
+scenario (findings), so a launch that ran nothing fails rather than passing
+loops over no findings.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import faulthandler
 import os
-import subprocess
 import sys
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -49,8 +50,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-PG_TIMEOUT_S = 10.0  # every process group's timeout in the workers
-LAUNCH_TIMEOUT_S = 180.0  # deadline for a whole launch (process start-up included, on a busy 2-core CI box)
+import ddp_harness
+from ddp_harness import PG_TIMEOUT_S, findings
+
 STALL_TIMEOUT_S = 3.0  # the group timeout in the stalled-rank test
 BUCKET_CAP_MB = 0.02  # small: the Uneven model below then spans 4 buckets
 FP32_TOL = 1e-6
@@ -866,132 +868,28 @@ SUITES = {
 # ===================================================================== worker
 
 
-def _worker_main(argv) -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--worker", required=True, choices=sorted(SUITES))
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--backend", default="gloo")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    timeout = timedelta(seconds=PG_TIMEOUT_S)
-    store = dist.TCPStore(
-        "127.0.0.1", int(os.environ["FT_STORE_PORT"]), is_master=False, timeout=timedelta(seconds=60)
-    )
-    dist.init_process_group(args.backend, store=store, rank=rank, world_size=world, timeout=timeout)
-    out_path = Path(args.out) / f"rank{rank}.pt"
-    # A rank still running near the launch deadline prints every thread's
-    # Python stack before the launcher kills it.
-    faulthandler.dump_traceback_later(float(os.environ.get("FT_DDP_DEADLINE_S", LAUNCH_TIMEOUT_S)) - 10, exit=True)
-    only = os.environ.get("FT_DDP_ONLY")  # debugging: a comma-separated subset
-    results = {}
-    for scenario in SUITES[args.worker]:
-        name = scenario.__name__[3:]
-        if only and name not in only.split(","):
-            continue
-        pg = dist.new_group(backend=args.backend, timeout=timeout) if args.backend == "gloo" else None
-        t0 = time.monotonic()
-        try:
-            results[name] = {"ok": True, "data": scenario(pg, rank, world)}
-        except Exception:
-            results[name] = {"ok": False, "error": traceback.format_exc()}
-        results[name]["seconds"] = time.monotonic() - t0
-        torch.save(results, out_path)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if args.worker not in ("dead_rank", "stalled_rank") and args.backend == "gloo":
-        dist.barrier()
-    # Skip interpreter teardown (gloo's destructors after a dead peer).
-    os._exit(0)
-
-
 # ===================================================================== launch
 
 
-def launch(world: int, suite: str, workdir: Path, backend: str = "gloo", expected_exit=None,
-           deadline_s: float = LAUNCH_TIMEOUT_S):
-    """Runs ``suite`` on ``world`` processes; returns each rank's findings.
-    Fails (killing every rank first) past the deadline or when a rank's exit
-    code is not the expected one (0 unless ``expected_exit[rank]`` says)."""
-    import torch.distributed as dist
-
-    expected_exit = expected_exit or {}
-    workdir.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
-    env_base = dict(os.environ)
-    env_base.update(
-        WORLD_SIZE=str(world),
-        FT_STORE_PORT=str(store.port),
-        FT_DDP_DEADLINE_S=str(deadline_s),
-        MASTER_ADDR="127.0.0.1",
-        GLOO_SOCKET_IFNAME="lo",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
-    )
-    procs, logs = [], []
-    for rank in range(world):
-        log = open(workdir / f"rank{rank}.log", "w")
-        logs.append(log)
-        env = dict(env_base, RANK=str(rank), LOCAL_RANK=str(rank))
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--worker", suite, "--out", str(workdir),
-                 "--backend", backend],
-                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(workdir),
-            )
-        )
-    deadline = time.monotonic() + deadline_s
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        hung = [r for r, p in enumerate(procs) if p.poll() is None]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait(timeout=30)
-        for log in logs:
-            log.close()
-        del store
-
-    def tail(r):
-        text = (workdir / f"rank{r}.log").read_text(errors="replace")
-        return f"--- rank {r} (exit {procs[r].returncode}) log tail:\n{text[-3000:]}"
-
-    if hung:
-        pytest.fail(f"ranks {hung} still running after {deadline_s:.0f} s (killed)\n"
-                    + "\n".join(tail(r) for r in range(world)))
-    bad = [r for r, p in enumerate(procs) if p.returncode != expected_exit.get(r, 0)]
-    if bad:
-        pytest.fail(f"ranks {bad} exited with unexpected codes "
-                    f"{[procs[r].returncode for r in bad]}\n" + "\n".join(tail(r) for r in bad))
-    results = []
-    for r in range(world):
-        path = workdir / f"rank{r}.pt"
-        results.append(torch.load(path, weights_only=False) if path.exists() else None)
-    return results
-
-
-def findings(results, name):
-    """The scenario's data per rank; fails with the traceback of any rank
-    where it raised."""
-    out = []
-    for rank, res in enumerate(results):
-        if res is None:
-            continue
-        assert name in res, f"rank {rank} did not run {name}"
-        entry = res[name]
-        assert entry["ok"], f"{name} raised on rank {rank}:\n{entry['error']}"
-        out.append(entry["data"])
-    return out
+def launch(world: int, suite: str, workdir: Path, **kw):
+    """ddp_harness.launch of this file's ``suite`` on ``world`` ranks."""
+    return ddp_harness.launch(Path(__file__), world, suite, workdir, **kw)
 
 
 # ====================================================================== tests
 
 WORLDS = [2, 3]
+
+
+def torch_tol(world: int) -> float:
+    """How far ours may end from torch's DDP on the same data. Both scale each
+    gradient by 1/w into the bucket and sum the buckets over the ranks. With
+    w = 2 the scaling is exact and a sum of two values is the same in either
+    order, so both compute the same bits: exact equality (measured error 0).
+    With w = 3 a sum of three depends on its association, which follows how
+    each allreduce splits its buffer (gloo's ring starts each chunk's sum at
+    a different rank): a rounding apart (measured 2e-8), so FP32_TOL."""
+    return 0.0 if world == 2 else FP32_TOL
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=[f"world{w}" for w in WORLDS])
@@ -1008,8 +906,10 @@ def test_equals_single_process_and_torch_ddp(core):
         assert d["buckets"] == d["expected_layout"]
         assert d["moved"] > 1e-2, "training did not change the parameters"
         assert d["err_vs_single"] <= FP32_TOL, f"rank {rank}: {d['err_vs_single']} from single-process"
-        assert d["err_vs_torch"] <= FP32_TOL, f"rank {rank}: {d['err_vs_torch']} from torch DDP"
-        assert d["grad_err_vs_torch"] <= FP32_TOL
+        # torch's DDP meets the same bound: FP32_TOL is what data parallelism owes.
+        assert d["torch_err_vs_single"] <= FP32_TOL, f"rank {rank}: torch DDP {d['torch_err_vs_single']} from single"
+        assert d["err_vs_torch"] <= torch_tol(world), f"rank {rank}: {d['err_vs_torch']} from torch DDP"
+        assert d["grad_err_vs_torch"] <= torch_tol(world), f"rank {rank}: {d['grad_err_vs_torch']}"
     params = [d["params"] for d in findings(results, "equivalence")]
     assert all(torch.equal(params[0], p) for p in params), "ranks' parameters differ"
 
@@ -1037,7 +937,7 @@ def test_no_sync_accumulation_equals_one_large_batch(core):
         assert d["local_err_inside_no_sync"] == 0.0, "gradients inside no_sync are not the rank's own"
         assert d["moved"] > 1e-2
         assert d["err_vs_single"] <= FP32_TOL, f"rank {rank}: {d['err_vs_single']}"
-        assert d["err_vs_torch"] <= FP32_TOL, f"rank {rank}: {d['err_vs_torch']}"
+        assert d["err_vs_torch"] <= torch_tol(world), f"rank {rank}: {d['err_vs_torch']}"
         assert d["view_err_vs_single"] <= FP32_TOL, f"rank {rank}: {d['view_err_vs_single']}"
         assert d["view_inplace_err_vs_single"] <= FP32_TOL, f"rank {rank}: {d['view_inplace_err_vs_single']}"
 
@@ -1060,8 +960,8 @@ def test_diverged_parameters_and_buffers_synchronised(core):
         assert torch.equal(mean, torch.ones(9)) and torch.equal(var, torch.full((9,), 2.0))
         assert count.item() == 0, f"rank {rank}: num_batches_tracked {count.item()}"
         assert torch.equal(d["buffers_after_forward"][0], torch.ones(9)), "forward did not re-broadcast"
-        assert d["bn_err_vs_torch_True"] <= FP32_TOL, d["bn_err_vs_torch_True"]
-        assert d["bn_err_vs_torch_False"] <= FP32_TOL, d["bn_err_vs_torch_False"]
+        assert d["bn_err_vs_torch_True"] <= torch_tol(world), d["bn_err_vs_torch_True"]
+        assert d["bn_err_vs_torch_False"] <= torch_tol(world), d["bn_err_vs_torch_False"]
     assert all(torch.equal(data[0]["params"], d["params"]) for d in data)
     # Without broadcast_buffers each rank's statistics follow its own data.
     assert not torch.equal(data[0]["bn_buffers_False"], data[1]["bn_buffers_False"])
@@ -1093,7 +993,7 @@ def test_find_unused_parameters_matches_torch(core):
     world, results = core
     data = findings(results, "find_unused")
     for rank, d in enumerate(data):
-        assert d["err_vs_torch"] <= FP32_TOL, f"rank {rank}: {d['err_vs_torch']}"
+        assert d["err_vs_torch"] <= torch_tol(world), f"rank {rank}: {d['err_vs_torch']}"
         assert d["grad_none_ours"] == d["grad_none_torch"], "grads left None differ from torch's"
         never = [i for i, n in enumerate(d["names"]) if n.startswith("never.")]
         b = [i for i, n in enumerate(d["names"]) if n.startswith("b.")]
@@ -1124,7 +1024,7 @@ def test_gradient_as_bucket_view(core):
     for rank, d in enumerate(findings(results, "grad_as_bucket_view")):
         assert d["layout"] == UNEVEN_BUCKETS
         assert d["equal_to_copy_mode"] == [True, True], "gradient_as_bucket_view changed the result"
-        assert d["err_vs_torch_view"] <= FP32_TOL
+        assert d["err_vs_torch_view"] <= torch_tol(world), f"rank {rank}: {d['err_vs_torch_view']}"
         for mode in (1, 2):
             assert d["views_at_slot_offsets"][mode], f"mode {mode}: param.grad is not its bucket slot"
             assert d["shared_in_bucket"][mode], f"mode {mode}: a bucket's grads do not share its storage"
@@ -1169,7 +1069,7 @@ def test_state_dict_module_prefix(core):
 def test_dead_rank_fails_the_others_within_timeout(world, tmp_path):
     results = launch(world, "dead_rank", tmp_path, expected_exit={world - 1: 7})
     assert results[world - 1] is None or "dead_rank" not in results[world - 1]
-    for rank, d in enumerate(findings(results[: world - 1], "dead_rank")):
+    for rank, d in enumerate(findings(results, "dead_rank", dies={world - 1})):
         assert d["step"] == 3, f"rank {rank} raised at step {d['step']}: {d['message']}"
         assert "DistributedDataParallel" in d["message"] and "allreduce" in d["message"], d["message"]
         assert d["seconds"] <= PG_TIMEOUT_S + 5, f"rank {rank} took {d['seconds']:.1f} s to fail"
@@ -1178,7 +1078,8 @@ def test_dead_rank_fails_the_others_within_timeout(world, tmp_path):
 def test_stalled_rank_times_out_the_others(tmp_path):
     world = 2
     results = launch(world, "stalled_rank", tmp_path, expected_exit={world - 1: 8})
-    (d,) = findings(results[: world - 1], "stalled_rank")
+    assert results[world - 1] is None or "stalled_rank" not in results[world - 1]
+    (d,) = findings(results, "stalled_rank", dies={world - 1})
     assert d["step"] == 2, d
     assert "DistributedDataParallel" in d["message"] and "allreduce" in d["message"], d["message"]
     assert "imed out" in d["message"] or "timeout" in d["message"].lower(), d["message"]
@@ -1226,7 +1127,7 @@ def test_bucket_assignment_dtype_change_starts_a_bucket():
     assert _assignment([(10, F32), (10, F32), (10, F64), (10, F32)], 1 << 20, 1 << 20) == [[3], [2], [1, 0]]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.cuda
 def test_bucket_assignment_device_change_starts_a_bucket():
     from fusetrain import _C
 
@@ -1252,7 +1153,7 @@ def test_comm_dtype_is_checked():
         DDP(Small(), comm_dtype=torch.int8)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a GPU (runs in make gpu-check)")
+@pytest.mark.cuda
 def test_nccl_world_size_1(tmp_path):
     import torch.distributed as dist
 
@@ -1265,4 +1166,4 @@ def test_nccl_world_size_1(tmp_path):
 
 
 if __name__ == "__main__":
-    _worker_main(sys.argv[1:])
+    ddp_harness.worker_main(sys.argv[1:], SUITES, no_final_barrier=("dead_rank", "stalled_rank"))

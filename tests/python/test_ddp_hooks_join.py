@@ -31,24 +31,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddp_harness import findings, launch, worker_main
+from test_ddp import Uneven  # 4 buckets at BUCKET_CAP_MB; fc1.weight and fc2.weight worth compressing
 
 BUCKET_CAP_MB = 0.02  # the Uneven model spans 4 buckets
 COUNTS = [5, 8, 6]  # batches per rank in the join tests
 STEPS = 8
-
-
-class Uneven(nn.Module):
-    """Odd sizes over 4 buckets; fc1.weight and fc2.weight are worth
-    PowerSGD's compression, the biases are not."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(17, 531)
-        self.fc2 = nn.Linear(531, 503)
-        self.fc3 = nn.Linear(503, 7)
-
-    def forward(self, x):
-        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
 
 
 class WithBatchNorm(nn.Module):

@@ -981,10 +981,8 @@ def test_fused_optimizer_gets_scale_and_found_inf_tensors(unscale_first, monkeyp
 
 # ------------------------------------------------------------ CUDA (GPU box)
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the GPU box)")
 
-
-@cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw_fused"])
 def test_cuda_typical_loop_matches_torch(opt_name):
     def recipe(Scaler):
@@ -1008,7 +1006,7 @@ def test_cuda_typical_loop_matches_torch(opt_name):
     assert_exercised_growth_and_backoff(twin(recipe))
 
 
-@cuda
+@pytest.mark.cuda
 def test_cuda_bf16_gradients_are_unscaled():
     """torch's CUDA unscale has long lacked bf16; ours unscales bf16 grads on the GPU."""
     model = make_model(dtype=torch.bfloat16).cuda()
