@@ -88,9 +88,14 @@ int available_cores() {
 
 int spawn_local_ranks(const std::vector<std::string>& args, int nproc) {
   const std::string exe = self_exe();
-  const int port = dist::free_port();
-  static const char* kOwned[] = {"RANK=",        "WORLD_SIZE=", "LOCAL_RANK=", "LOCAL_WORLD_SIZE=",
-                                 "MASTER_ADDR=", "MASTER_PORT="};
+  // The store lives here, on a port it keeps bound, and the ranks join it as
+  // clients (as under torchrun's agent): rank 0 hosting it on a port found
+  // free a moment earlier could lose that port to another process.
+  const dist::StoreHost store;
+  const int port = store.port();
+  static const char* kOwned[] = {"RANK=",        "WORLD_SIZE=",  "LOCAL_RANK=",
+                                 "LOCAL_WORLD_SIZE=", "MASTER_ADDR=", "MASTER_PORT=",
+                                 "TORCHELASTIC_USE_AGENT_STORE="};
 
   // Everything exec needs is built before fork: the child may only call
   // async-signal-safe functions, and this process may already run threads.
@@ -113,6 +118,7 @@ int spawn_local_ranks(const std::vector<std::string>& args, int nproc) {
     env_s[r].push_back("LOCAL_WORLD_SIZE=" + std::to_string(nproc));
     env_s[r].push_back("MASTER_ADDR=127.0.0.1");
     env_s[r].push_back("MASTER_PORT=" + std::to_string(port));
+    env_s[r].push_back("TORCHELASTIC_USE_AGENT_STORE=True");
     for (auto& e : env_s[r]) envp[r].push_back(e.data());
     envp[r].push_back(nullptr);
   }

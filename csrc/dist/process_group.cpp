@@ -59,6 +59,8 @@ std::optional<Environment> Environment::from_env() {
                            0, env.world_size - 1);
   env.master_addr = get_env("MASTER_ADDR").value_or("127.0.0.1");
   env.master_port = env_int("MASTER_PORT", get_env("MASTER_PORT").value_or("29500"), 1, 65535);
+  const std::string agent = get_env("TORCHELASTIC_USE_AGENT_STORE").value_or("");
+  env.agent_store = agent == "True" || agent == "true" || agent == "1";
   return env;
 }
 
@@ -87,6 +89,19 @@ int free_port() {
   return ntohs(addr.sin_port);
 }
 
+StoreHost::StoreHost(std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions options;
+  options.port = 0;  // the kernel picks one, and the server keeps it bound
+  options.isServer = true;
+  options.waitWorkers = false;
+  options.timeout = timeout;
+  auto store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", options);
+  port_ = store->getPort();
+  store_ = std::move(store);
+}
+
+StoreHost::~StoreHost() = default;
+
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const Environment& env,
                                                           const ProcessGroupOptions& options) {
   std::string backend = options.backend;
@@ -98,7 +113,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const Environment& env
 
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<std::uint16_t>(env.master_port);
-  store_options.isServer = env.rank == 0;
+  store_options.isServer = env.rank == 0 && !env.agent_store;
   store_options.numWorkers = env.world_size;
   store_options.waitWorkers = true;
   store_options.timeout = options.timeout;

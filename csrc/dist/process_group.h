@@ -24,6 +24,10 @@ struct Environment {
   int local_rank = 0;
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
+  /// TORCHELASTIC_USE_AGENT_STORE=True: the store is hosted already
+  /// (torchrun's agent, or StoreHost in fusetrain's launcher), and rank 0
+  /// joins it as a client instead of hosting it.
+  bool agent_store = false;
 
   /// Reads the variables; nullopt when RANK or WORLD_SIZE is unset. A
   /// malformed or out-of-range value is an error naming the variable.
@@ -44,8 +48,26 @@ struct ProcessGroupOptions {
 c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const Environment& env,
                                                           const ProcessGroupOptions& options = {});
 
-/// A free TCP port on the loopback interface (for spawning local ranks).
+/// A free TCP port on the loopback interface, found by binding and closing
+/// a socket: another process may take it before it is used. Tests only; a
+/// launcher hosts its store with StoreHost.
 int free_port();
+
+/// Hosts a c10d::TCPStore server on loopback at a port the kernel picks and
+/// keeps bound, for ranks that join it as clients (Environment::agent_store,
+/// as torchrun's agent does): no race for the port with other processes.
+class StoreHost {
+ public:
+  explicit StoreHost(std::chrono::milliseconds timeout = std::chrono::minutes(5));
+  ~StoreHost();
+  StoreHost(const StoreHost&) = delete;
+  StoreHost& operator=(const StoreHost&) = delete;
+  int port() const { return port_; }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+  int port_ = 0;
+};
 
 /// Whether this build can create NCCL groups (CUDA build with NCCL).
 bool nccl_available();

@@ -550,7 +550,8 @@ TEST_CASE("compute_bucket_assignment", "[dist][ddp]") {
 
 TEST_CASE("Environment::from_env reads the torchrun variables", "[dist][ddp]") {
   // Only checks parsing of values handed in; the variables are restored after.
-  const char* names[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"};
+  const char* names[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                         "TORCHELASTIC_USE_AGENT_STORE"};
   std::map<std::string, std::string> saved;
   for (const char* n : names) {
     if (const char* v = std::getenv(n)) saved[n] = v;
@@ -567,6 +568,9 @@ TEST_CASE("Environment::from_env reads the torchrun variables", "[dist][ddp]") {
   CHECK(env->local_rank == 2);
   CHECK(env->master_addr == "127.0.0.1");
   CHECK(env->master_port == 12345);
+  CHECK_FALSE(env->agent_store);
+  ::setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);  // torchrun's agent hosts the store
+  CHECK(dist::Environment::from_env()->agent_store);
   ::setenv("RANK", "4", 1);
   CHECK_THROWS_WITH(dist::Environment::from_env(), Contains("RANK"));
   ::setenv("RANK", "x1", 1);
