@@ -212,7 +212,10 @@ struct JoinOptions {
 /// whether one asks all to stop]; finish() on a rank out of data answers
 /// those with zeros, shadowing buffer broadcasts and backward collectives,
 /// until no rank trains; then every rank takes the model of the last one to
-/// finish. Made by DistributedDataParallel::join().
+/// finish. Made by DistributedDataParallel::join(). The handshake is read on
+/// the host (one small allreduce and a sync per training forward while the
+/// context lives): join mode is for the ragged end of an epoch, not for
+/// steps captured in a CUDA graph.
 class JoinContext {
  public:
   /// `on_close` runs when the context is destroyed (the DDP forgets it).

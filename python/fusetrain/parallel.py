@@ -273,7 +273,10 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         initial world size (joined ranks add zeros) or, with
         ``divide_by_initial_world_size=False``, over the ranks still training.
         With ``throw_on_early_termination`` every rank raises as soon as one
-        runs out of data instead."""
+        runs out of data instead. As in torch, join mode reads small
+        collectives on the host (the ranks still training with
+        ``divide_by_initial_world_size=False``, the source rank of the
+        buffers' broadcast, a joined rank's view of who still trains)."""
         return Join(
             [self],
             enable,
