@@ -12,6 +12,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <csignal>
 #include <cstring>
 #include <fcntl.h>
 #include <fstream>
@@ -62,6 +63,21 @@ void fsync_path(const std::string& path, int flags) {
 std::string parent_dir(const std::string& path) {
   const auto slash = path.find_last_of('/');
   return slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
+}
+
+// Fault injection for the tests of a crash mid-write:
+// FUSETRAIN_FAULT_KILL_IN_CHECKPOINT=N makes this process SIGKILL itself
+// while writing its N-th checkpoint, the temporary file half written.
+void kill_here_if_asked(FILE* f) {
+  static int writes = 0;
+  static const int kill_at = [] {
+    const char* v = std::getenv("FUSETRAIN_FAULT_KILL_IN_CHECKPOINT");
+    return v ? std::atoi(v) : 0;
+  }();
+  if (kill_at > 0 && ++writes == kill_at) {
+    std::fflush(f);
+    ::raise(SIGKILL);
+  }
 }
 
 }  // namespace
@@ -117,6 +133,7 @@ void write_checkpoint(const std::string& path, const TensorDict& entries) {
     });
     torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(),
                                        pickler.tensorData(), writer);
+    kill_here_if_asked(f);
     writer.writeEndOfFile();
   }
   ok = ok && std::fflush(f) == 0 && ::fsync(fileno(f)) == 0;

@@ -253,6 +253,17 @@ const std::vector<KeySpec>& config_schema() {
       key("runtime.nproc", K::kInt, "1", "local data-parallel processes to spawn", {}, 1, 4096),
       key("runtime.threads", K::kInt, "0",
           "intra-op threads per process (0: cores / local processes, at least 1)", {}, 0, 4096),
+      key("runtime.nnodes", K::kInt, "1",
+          "hosts of the run, each running this launcher with runtime.nproc processes", {}, 1,
+          65536),
+      key("runtime.node_rank", K::kInt, "0", "this host's index among runtime.nnodes (0 hosts "
+          "the rendezvous store)", {}, 0, 65535),
+      key("runtime.master_addr", K::kString, "127.0.0.1",
+          "address of host 0, where its launcher hosts the rendezvous store (bound to this "
+          "address only)"),
+      key("runtime.master_port", K::kInt, "0",
+          "port of the rendezvous store on host 0 (0: one host picks a free port; several hosts "
+          "need it set)", {}, 0, 65535),
       key("runtime.timeout_s", K::kInt, "300",
           "bound on the rendezvous and on every collective, seconds", {}, 1, 1e7),
 

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <iostream>
 #include <map>
+#include <optional>
 
 extern char** environ;
 
@@ -86,16 +87,18 @@ int available_cores() {
   return online > 0 ? static_cast<int>(online) : 1;
 }
 
-int spawn_local_ranks(const std::vector<std::string>& args, int nproc) {
+int spawn_local_ranks(const std::vector<std::string>& args, const LaunchSpec& spec) {
   const std::string exe = self_exe();
-  // The store lives here, on a port it keeps bound, and the ranks join it as
-  // clients (as under torchrun's agent): rank 0 hosting it on a port found
-  // free a moment earlier could lose that port to another process.
-  const dist::StoreHost store;
-  const int port = store.port();
+  const int nproc = spec.nproc;
+  // Host 0's store lives here, on a port it keeps bound, and every rank joins
+  // it as a client (as under torchrun's agent): rank 0 hosting it on a port
+  // found free a moment earlier could lose that port to another process.
+  std::optional<dist::StoreHost> store;
+  if (spec.node_rank == 0) store.emplace(spec.timeout, spec.master_addr, spec.master_port);
+  const int port = store ? store->port() : spec.master_port;
   static const char* kOwned[] = {"RANK=",        "WORLD_SIZE=",  "LOCAL_RANK=",
                                  "LOCAL_WORLD_SIZE=", "MASTER_ADDR=", "MASTER_PORT=",
-                                 "TORCHELASTIC_USE_AGENT_STORE="};
+                                 "TORCHELASTIC_USE_AGENT_STORE=", "GROUP_RANK="};
 
   // Everything exec needs is built before fork: the child may only call
   // async-signal-safe functions, and this process may already run threads.
@@ -112,11 +115,12 @@ int spawn_local_ranks(const std::vector<std::string>& args, int nproc) {
       for (const char* k : kOwned) owned = owned || std::strncmp(*e, k, std::strlen(k)) == 0;
       if (!owned) env_s[r].emplace_back(*e);
     }
-    env_s[r].push_back("RANK=" + std::to_string(r));
-    env_s[r].push_back("WORLD_SIZE=" + std::to_string(nproc));
+    env_s[r].push_back("RANK=" + std::to_string(spec.node_rank * nproc + r));
+    env_s[r].push_back("WORLD_SIZE=" + std::to_string(spec.nnodes * nproc));
     env_s[r].push_back("LOCAL_RANK=" + std::to_string(r));
     env_s[r].push_back("LOCAL_WORLD_SIZE=" + std::to_string(nproc));
-    env_s[r].push_back("MASTER_ADDR=127.0.0.1");
+    env_s[r].push_back("GROUP_RANK=" + std::to_string(spec.node_rank));
+    env_s[r].push_back("MASTER_ADDR=" + spec.master_addr);
     env_s[r].push_back("MASTER_PORT=" + std::to_string(port));
     env_s[r].push_back("TORCHELASTIC_USE_AGENT_STORE=True");
     for (auto& e : env_s[r]) envp[r].push_back(e.data());
@@ -182,8 +186,13 @@ int spawn_local_ranks(const std::vector<std::string>& args, int nproc) {
       result = 130;
       continue;
     }
-    std::cerr << "fusetrain: rank " << rank_of[pid] << " " << describe_status(status)
-              << "; stopping the other " << alive << " rank" << (alive == 1 ? "" : "s") << "\n";
+    std::cerr << "fusetrain: rank " << spec.node_rank * nproc + rank_of[pid] << " "
+              << describe_status(status);
+    if (alive > 0) {
+      std::cerr << "; stopping the other " << alive << " rank" << (alive == 1 ? "" : "s")
+                << " of this host";
+    }
+    std::cerr << "\n";
     ::kill(-pgid, SIGKILL);
     failed = true;
     result = code;
@@ -200,12 +209,17 @@ Distributed::~Distributed() = default;
 
 Distributed::Distributed(const dist::Environment& env, c10::DeviceType device_type,
                          std::chrono::milliseconds timeout)
-    : rank_(env.rank), world_size_(env.world_size), local_rank_(env.local_rank) {
+    : rank_(env.rank),
+      world_size_(env.world_size),
+      local_rank_(env.local_rank),
+      timeout_(timeout) {
   if (world_size_ > 1) {
     dist::ProcessGroupOptions options;
     options.device_type = device_type;
     options.timeout = timeout;
     group_ = dist::init_process_group(env, options);
+    const dist::GlooTransport t = dist::gloo_transport_for(env.master_addr, env.master_port);
+    own_address_ = t.interfaces.empty() ? t.address : t.describe();
   }
 }
 
@@ -230,6 +244,72 @@ void Distributed::broadcast_(const std::vector<at::Tensor>& tensors) const {
 
 void Distributed::barrier() const {
   if (group_) group_->barrier()->wait();
+}
+
+std::vector<std::string> Distributed::allgather_text(const std::string& text) const {
+  if (!group_) return {text};
+  // Lengths first, then every text padded to the longest.
+  at::Tensor length = at::tensor({static_cast<int64_t>(text.size())}, at::kLong);
+  allreduce_max_(length);
+  const int64_t longest = length.item<int64_t>();
+  at::Tensor mine = at::zeros({longest + 8}, at::kByte);
+  const int64_t n = static_cast<int64_t>(text.size());
+  std::memcpy(mine.data_ptr(), &n, sizeof(n));
+  std::memcpy(mine.data_ptr<uint8_t>() + 8, text.data(), text.size());
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int r = 0; r < world_size_; ++r) out[0].push_back(at::empty_like(mine));
+  std::vector<at::Tensor> in = {mine};
+  group_->allgather(out, in)->wait();
+  std::vector<std::string> texts;
+  for (const auto& t : out[0]) {
+    int64_t len = 0;
+    std::memcpy(&len, t.data_ptr(), sizeof(len));
+    texts.emplace_back(reinterpret_cast<const char*>(t.data_ptr<uint8_t>() + 8),
+                       static_cast<size_t>(len));
+  }
+  return texts;
+}
+
+std::string Distributed::broadcast_text(const std::string& text) const {
+  if (!group_) return text;
+  at::Tensor length = at::tensor({static_cast<int64_t>(text.size())}, at::kLong);
+  broadcast_({length});
+  at::Tensor bytes = at::zeros({length.item<int64_t>()}, at::kByte);
+  if (rank_ == 0) std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  if (bytes.numel() > 0) broadcast_({bytes});
+  return std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()),
+                     static_cast<size_t>(bytes.numel()));
+}
+
+void Distributed::learn_peer_addresses() {
+  if (group_) peer_addresses_ = allgather_text(own_address_);
+}
+
+std::string Distributed::explain_failure(const std::string& what) const {
+  if (!group_) return what;
+  // gloo names the far end of a broken connection as "[ADDRESS]:PORT".
+  std::map<std::string, std::vector<int>> ranks_at;
+  for (int r = 0; r < static_cast<int>(peer_addresses_.size()); ++r) {
+    if (r != rank_) ranks_at[peer_addresses_[r]].push_back(r);
+  }
+  std::string lost;
+  for (const auto& [address, ranks] : ranks_at) {
+    if (what.find("[" + address + "]") == std::string::npos) continue;
+    for (int r : ranks) lost += (lost.empty() ? "" : ", ") + std::to_string(r);
+    lost = "rank" + std::string(ranks.size() > 1 ? "s " : " ") + lost + " at " + address;
+    break;
+  }
+  const long timeout_s = static_cast<long>(timeout_.count() / 1000);
+  std::string head = "rank " + std::to_string(rank_) + " lost the group: ";
+  if (!lost.empty()) {
+    head += "the connection to " + lost + " broke (that rank died or its host went away)";
+  } else if (what.find("imed out") != std::string::npos || what.find("imeout") != std::string::npos) {
+    head += "no answer from a peer within runtime.timeout_s=" + std::to_string(timeout_s) +
+            " s (a rank stopped, or the network between hosts is down)";
+  } else {
+    head += "a collective failed";
+  }
+  return head + "; the other ranks stop too. " + what;
 }
 
 // ------------------------------------------------------------------ ParallelModel

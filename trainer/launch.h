@@ -18,13 +18,27 @@
 
 namespace fusetrain::trainer {
 
-/// Runs this executable with `args` (argv without argv[0]) as `nproc` local
-/// ranks: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR
-/// (127.0.0.1) and MASTER_PORT (a free port) set, all in one new process
-/// group that dies with this process. When a rank fails the others are killed
-/// at once and its exit code is returned; Ctrl-C is forwarded to the ranks
-/// (they save a checkpoint and stop), a second Ctrl-C kills them.
-int spawn_local_ranks(const std::vector<std::string>& args, int nproc);
+/// This host's part of a run: `nproc` ranks here, on host `node_rank` of
+/// `nnodes`. Host 0's launcher hosts the rendezvous store on
+/// master_addr:master_port (bound to that address only; port 0: one the
+/// kernel picks, which only a single host can use).
+struct LaunchSpec {
+  int nproc = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+};
+
+/// Runs this executable with `args` (argv without argv[0]) as this host's
+/// ranks of `spec`, with torchrun's variables set (RANK = node_rank x nproc +
+/// LOCAL_RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK,
+/// MASTER_ADDR, MASTER_PORT, TORCHELASTIC_USE_AGENT_STORE), all in one new
+/// process group that dies with this process. When a rank fails the others
+/// are killed at once and its exit code is returned; Ctrl-C is forwarded to
+/// the ranks (they save a checkpoint and stop), a second Ctrl-C kills them.
+int spawn_local_ranks(const std::vector<std::string>& args, const LaunchSpec& spec);
 
 /// SIGINT and SIGTERM set the stop flag instead of killing the process; a
 /// second SIGINT exits at once.
@@ -60,11 +74,25 @@ class Distributed {
   /// Overwrites `tensors` with rank 0's values.
   void broadcast_(const std::vector<at::Tensor>& tensors) const;
   void barrier() const;
+  /// Every rank's `text`, in rank order.
+  std::vector<std::string> allgather_text(const std::string& text) const;
+  /// Rank 0's `text` on every rank.
+  std::string broadcast_text(const std::string& text) const;
+
+  /// Each rank's address for gloo (as allgather_text learnt it in
+  /// learn_peer_addresses), to name the ranks behind a failed connection.
+  void learn_peer_addresses();
+  /// `what` (an exception's message) with the lost peer named when it shows
+  /// one of the peers' addresses, and what the failure means.
+  std::string explain_failure(const std::string& what) const;
 
  private:
   int rank_ = 0;
   int world_size_ = 1;
   int local_rank_ = 0;
+  std::chrono::milliseconds timeout_{0};
+  std::string own_address_;
+  std::vector<std::string> peer_addresses_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
 };
 

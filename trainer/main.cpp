@@ -20,9 +20,13 @@
 #define CXXOPTS_VECTOR_DELIMITER '\0'
 #include <cxxopts.hpp>
 
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
 #include <iostream>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #ifndef FUSETRAIN_CONFIG_DIR
 #define FUSETRAIN_CONFIG_DIR "configs"
@@ -38,6 +42,10 @@ constexpr int kUsageError = 2;
 const std::vector<std::pair<std::string, std::string>> kFlagKeys = {
     {"device", "runtime.device"},
     {"nproc", "runtime.nproc"},
+    {"nnodes", "runtime.nnodes"},
+    {"node-rank", "runtime.node_rank"},
+    {"master-addr", "runtime.master_addr"},
+    {"master-port", "runtime.master_port"},
     {"epochs", "train.epochs"},
     {"steps-per-execution", "train.steps_per_execution"},
     {"precision", "precision.policy"},
@@ -61,6 +69,34 @@ std::string resolve_config_path(const std::string& name) {
   }
   return name;
 }
+
+/// `text` in a file of a new private directory, both removed with this object.
+class PrivateFile {
+ public:
+  PrivateFile(const std::string& name, const std::string& text) {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/fusetrain-XXXXXX";
+    if (::mkdtemp(pattern.data()) == nullptr) {
+      throw std::runtime_error("cannot create a private directory under " + pattern + ": " +
+                               std::strerror(errno));
+    }
+    dir_ = pattern;
+    path_ = dir_ + "/" + name;
+    std::ofstream out(path_);
+    out << text;
+    if (!out.flush()) throw std::runtime_error("cannot write " + path_);
+  }
+  ~PrivateFile() {
+    ::unlink(path_.c_str());
+    ::rmdir(dir_.c_str());
+  }
+  PrivateFile(const PrivateFile&) = delete;
+  PrivateFile& operator=(const PrivateFile&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string dir_, path_;
+};
 
 std::string rank_prefix() {
   const char* rank = std::getenv("RANK");
@@ -104,6 +140,14 @@ int run_train(int argc, char** argv) {
        cxxopts::value<std::vector<std::string>>())
       ("device", "runtime.device: cpu or cuda", cxxopts::value<std::string>())
       ("nproc", "runtime.nproc: local data-parallel processes to spawn", cxxopts::value<std::string>())
+      ("nnodes", "runtime.nnodes: hosts of the run, each running fusetrain train with the same "
+                 "config", cxxopts::value<std::string>())
+      ("node-rank", "runtime.node_rank: this host's index, 0 .. nnodes-1",
+       cxxopts::value<std::string>())
+      ("master-addr", "runtime.master_addr: host 0's address, where the rendezvous store is "
+                      "hosted", cxxopts::value<std::string>())
+      ("master-port", "runtime.master_port: the rendezvous store's port on host 0",
+       cxxopts::value<std::string>())
       ("epochs", "train.epochs", cxxopts::value<std::string>())
       ("steps-per-execution", "train.steps_per_execution: steps between host synchronisations",
        cxxopts::value<std::string>())
@@ -174,25 +218,67 @@ int run_train(int argc, char** argv) {
     const int local_world = local ? std::max(1, std::atoi(local)) : env->world_size;
     at::set_num_threads(ft::threads_for(config, local_world));
     ft::check_before_start(config, env->world_size, local_world);
-    const ft::RunPlan plan = ft::plan_run(config, resume);
-    const ft::Distributed world(*env, device_type, std::chrono::seconds(timeout_s));
-    return ft::run_training(config, plan, world);
+    std::string resume_as = resume;
+    const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
+    if (resume_as.empty() && restarts != nullptr && std::atoi(restarts) > 0) {
+      // torchrun restarted the group after a failure: go on from the newest
+      // checkpoint rather than train again from the start.
+      resume_as = "auto";
+    }
+    ft::Distributed world(*env, device_type, std::chrono::seconds(timeout_s));
+    try {
+      world.learn_peer_addresses();
+      ft::check_same_config(config, world);
+      const ft::RunPlan plan = ft::agree_on_plan(config, resume_as, world);
+      return ft::run_training(config, plan, world);
+    } catch (const ft::UsageError&) {
+      throw;
+    } catch (const ft::CheckpointError&) {
+      throw;
+    } catch (const c10::Error& e) {
+      throw std::runtime_error(world.explain_failure(e.what_without_backtrace()));
+    } catch (const std::exception& e) {
+      throw std::runtime_error(world.explain_failure(e.what()));
+    }
   }
-  const int nproc = static_cast<int>(config.get_int("runtime.nproc"));
-  ft::check_before_start(config, nproc, nproc);
-  const ft::RunPlan plan = ft::plan_run(config, resume);
-  if (nproc == 1) {
+  ft::LaunchSpec spec;
+  spec.nproc = static_cast<int>(config.get_int("runtime.nproc"));
+  spec.nnodes = static_cast<int>(config.get_int("runtime.nnodes"));
+  spec.node_rank = static_cast<int>(config.get_int("runtime.node_rank"));
+  spec.master_addr = config.get_string("runtime.master_addr");
+  spec.master_port = static_cast<int>(config.get_int("runtime.master_port"));
+  spec.timeout = std::chrono::seconds(timeout_s);
+  if (spec.node_rank >= spec.nnodes) {
+    throw config.error("runtime.node_rank", "must be below runtime.nnodes=" +
+                                                std::to_string(spec.nnodes));
+  }
+  if (spec.nnodes > 1 && spec.master_port == 0) {
+    throw config.error("runtime.master_port", "a run on several hosts needs the port host 0 "
+                                              "hosts its store on, the same on every host "
+                                              "(e.g. --master-port 29500)");
+  }
+  const int world_size = spec.nnodes * spec.nproc;
+  ft::check_before_start(config, world_size, spec.nproc);
+  if (world_size == 1) {
+    const ft::RunPlan plan = ft::plan_run(config, resume);
     at::set_num_threads(ft::threads_for(config, 1));
     return ft::run_training(config, plan, ft::Distributed());
   }
-  ft::prepare_run_dir(config, plan);
-  std::vector<std::string> child = {"train", "--config", plan.run_dir + "/config.yaml",
-                                    "--config-name", config.name()};
-  if (!plan.checkpoint.empty()) {
-    child.push_back("--resume");
-    child.push_back(plan.checkpoint);
+  std::vector<std::string> child = {"train", "--config-name", config.name()};
+  if (spec.node_rank == 0) {
+    // Host 0 plans the run (its ranks agree on rank 0's plan), so a bad
+    // checkpoint fails here before any process starts.
+    const ft::RunPlan plan = ft::plan_run(config, resume);
+    ft::prepare_run_dir(config, plan);
+    child.insert(child.end(), {"--config", plan.run_dir + "/config.yaml"});
+    if (!plan.checkpoint.empty()) child.insert(child.end(), {"--resume", plan.checkpoint});
+    return ft::spawn_local_ranks(child, spec);
   }
-  return ft::spawn_local_ranks(child, nproc);
+  // Other hosts hand their ranks this host's resolved config in a private
+  // file; the run directory and checkpoint come from rank 0.
+  const PrivateFile file("config.yaml", config.to_yaml());
+  child.insert(child.end(), {"--config", file.path()});
+  return ft::spawn_local_ranks(child, spec);
 }
 
 int run_eval_command(int argc, char** argv) {

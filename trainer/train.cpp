@@ -133,9 +133,11 @@ std::string checkpoint_dir(const std::string& run_dir) { return run_dir + "/chec
 std::vector<std::pair<int64_t, std::string>> checkpoints_in(const std::string& run_dir) {
   std::vector<std::pair<int64_t, std::string>> out;
   for (const auto& name : list_dir(checkpoint_dir(run_dir))) {
+    // Exactly step_<digits>.pt: not a temporary file a killed writer left.
     long long step = 0;
-    char tail[8] = {0};
-    if (std::sscanf(name.c_str(), "step_%lld.%3s", &step, tail) == 2 && std::string(tail) == "pt") {
+    int used = 0;
+    if (std::sscanf(name.c_str(), "step_%lld%n", &step, &used) == 1 &&
+        name.compare(static_cast<size_t>(used), std::string::npos, ".pt") == 0) {
       out.emplace_back(step, checkpoint_dir(run_dir) + "/" + name);
     }
   }
@@ -941,8 +943,18 @@ RunPlan plan_run(Config& config, const std::string& resume) {
   if (resume == "auto") {
     if (run_dir.empty()) run_dir = newest_run_dir(config.name().empty() ? "run" : config.name());
     if (!run_dir.empty()) {
+      // The newest checkpoint that reads back whole (writes are atomic, but
+      // a file may have been copied in torn).
       const auto found = checkpoints_in(run_dir);
-      if (!found.empty()) plan.checkpoint = found.back().second;
+      for (auto it = found.rbegin(); it != found.rend() && plan.checkpoint.empty(); ++it) {
+        try {
+          read_checkpoint(it->second);
+          plan.checkpoint = it->second;
+        } catch (const CheckpointError& e) {
+          std::cerr << "fusetrain train: warning: skipping " << it->second << ": " << e.what()
+                    << "\n";
+        }
+      }
     }
   } else if (!resume.empty()) {
     if (!is_file(resume)) {
@@ -958,6 +970,103 @@ RunPlan plan_run(Config& config, const std::string& resume) {
   config.set("output.run_dir", run_dir, "resolved");
   plan.run_dir = run_dir;
   if (!plan.checkpoint.empty()) read_checkpoint(plan.checkpoint);
+  return plan;
+}
+
+const std::vector<std::string>& per_host_keys() {
+  static const std::vector<std::string> keys = {"data.path",        "runtime.threads",
+                                                "runtime.node_rank", "runtime.master_addr",
+                                                "output.progress",  "output.run_dir"};
+  return keys;
+}
+
+void check_same_config(const Config& config, const Distributed& world) {
+  if (!world.is_distributed()) return;
+  const auto& skip = per_host_keys();
+  std::string mine;
+  for (const auto& spec : config_schema()) {
+    if (std::find(skip.begin(), skip.end(), spec.key) != skip.end()) continue;
+    mine += spec.key + "=" + config.get_string(spec.key) + "\n";
+  }
+  const std::vector<std::string> all = world.allgather_text(mine);
+  std::vector<int> differ;
+  for (int r = 1; r < static_cast<int>(all.size()); ++r) {
+    if (all[r] != all[0]) differ.push_back(r);
+  }
+  if (differ.empty()) return;
+  // Name the first key on which the first differing rank departs from rank 0.
+  const auto lines = [](const std::string& text) {
+    std::vector<std::string> out;
+    std::istringstream in(text);
+    for (std::string line; std::getline(in, line);) out.push_back(line);
+    return out;
+  };
+  const auto a = lines(all[0]);
+  const auto b = lines(all[differ.front()]);
+  std::string detail;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    if (a[i] == b[i]) continue;
+    const std::string key = a[i].substr(0, a[i].find('='));
+    detail = key + " is " + a[i].substr(key.size() + 1) + " on rank 0 but " +
+             b[i].substr(b[i].find('=') + 1) + " on rank " + std::to_string(differ.front());
+    break;
+  }
+  std::string ranks;
+  for (int r : differ) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  throw UsageError("the ranks were started with different configurations: rank" +
+                   std::string(differ.size() > 1 ? "s " : " ") + ranks +
+                   (differ.size() > 1 ? " differ" : " differs") + " from rank 0 (" +
+                   detail + "). Every rank must run the same config; only data.path, "
+                   "runtime.threads, runtime.node_rank, runtime.master_addr, output.progress "
+                   "and output.run_dir may differ (rank 0's run directory is used)");
+}
+
+RunPlan agree_on_plan(Config& config, const std::string& resume, const Distributed& world) {
+  if (!world.is_distributed()) return plan_run(config, resume);
+  // Rank 0's plan, or its error, as "ok\nRUN_DIR\nCHECKPOINT" / "usage|checkpoint|error\nMESSAGE".
+  std::string message;
+  if (world.rank() == 0) {
+    try {
+      const RunPlan plan = plan_run(config, resume);
+      message = "ok\n" + plan.run_dir + "\n" + plan.checkpoint;
+    } catch (const UsageError& e) {
+      message = std::string("usage\n") + e.what();
+    } catch (const CheckpointError& e) {
+      message = std::string("checkpoint\n") + e.what();
+    } catch (const std::exception& e) {
+      message = std::string("error\n") + e.what();
+    }
+  }
+  message = world.broadcast_text(message);
+  const size_t first = message.find('\n');
+  const std::string kind = message.substr(0, first);
+  const std::string rest = first == std::string::npos ? "" : message.substr(first + 1);
+  const std::string from0 = world.rank() == 0 ? "" : "rank 0: ";
+  if (kind == "usage") throw UsageError(from0 + rest);
+  if (kind == "checkpoint") throw CheckpointError(from0 + rest);
+  if (kind != "ok") throw std::runtime_error(from0 + rest);
+  RunPlan plan;
+  plan.run_dir = rest.substr(0, rest.find('\n'));
+  plan.checkpoint = rest.substr(plan.run_dir.size() + 1);
+  config.set("output.run_dir", plan.run_dir, "rank 0");
+  // Every rank reads the checkpoint itself: the run directory must be on a
+  // filesystem all hosts share.
+  std::string problem;
+  if (world.rank() != 0 && !plan.checkpoint.empty()) {
+    try {
+      read_checkpoint(plan.checkpoint);
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+  }
+  const std::vector<std::string> problems = world.allgather_text(problem);
+  for (int r = 0; r < static_cast<int>(problems.size()); ++r) {
+    if (problems[r].empty()) continue;
+    throw CheckpointError("rank " + std::to_string(r) + " cannot read the checkpoint " +
+                          plan.checkpoint + " that rank 0 resumes from (" + problems[r] +
+                          "); resuming across hosts needs output.run_dir on a filesystem every "
+                          "host shares");
+  }
   return plan;
 }
 
@@ -1020,6 +1129,12 @@ void check_before_start(const Config& config, int world_size, int local_world_si
 
 void prepare_run_dir(const Config& config, const RunPlan& plan) {
   make_dirs(checkpoint_dir(plan.run_dir));
+  // What a writer killed mid-checkpoint left (step_N.pt.tmpPID).
+  for (const auto& name : list_dir(checkpoint_dir(plan.run_dir))) {
+    if (name.rfind("step_", 0) == 0 && name.find(".pt.tmp") != std::string::npos) {
+      std::remove((checkpoint_dir(plan.run_dir) + "/" + name).c_str());
+    }
+  }
   write_text_atomically(plan.run_dir + "/config.yaml",
                         "# fusetrain train: the resolved configuration of this run\n" + config.to_yaml());
 }

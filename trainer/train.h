@@ -24,6 +24,20 @@ struct RunPlan {
 /// here, so a corrupt one fails before anything is written.
 RunPlan plan_run(Config& config, const std::string& resume);
 
+/// Keys whose values may differ between the ranks of one run: where a host
+/// keeps its data, its thread count and display, its place in the launch.
+const std::vector<std::string>& per_host_keys();
+
+/// Every rank's configuration must be the same but for per_host_keys():
+/// compared across the group before any data is read, a difference is a
+/// UsageError on every rank naming the key and the ranks.
+void check_same_config(const Config& config, const Distributed& world);
+
+/// plan_run for a group: rank 0 plans (its run directory and checkpoint),
+/// every rank takes that plan, and checks it can read the checkpoint. A
+/// failure on any rank fails every rank with its message.
+RunPlan agree_on_plan(Config& config, const std::string& resume, const Distributed& world);
+
 /// The configuration stored in a checkpoint written by the trainer.
 Config config_from_checkpoint(const std::string& path);
 

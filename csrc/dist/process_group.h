@@ -9,6 +9,7 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace c10d {
 class ProcessGroup;
@@ -28,6 +29,11 @@ struct Environment {
   /// (torchrun's agent, or StoreHost in fusetrain's launcher), and rank 0
   /// joins it as a client instead of hosting it.
   bool agent_store = false;
+  /// TORCHELASTIC_RESTART_COUNT: how often torchrun restarted the group. The
+  /// agent's store outlives a restart, so each attempt keeps its keys under
+  /// its own prefix ("/worker/attempt_N", torch.distributed's convention):
+  /// a new rank must not read a dead one's address.
+  int restart_count = 0;
 
   /// Reads the variables; nullopt when RANK or WORLD_SIZE is unset. A
   /// malformed or out-of-range value is an error naming the variable.
@@ -53,12 +59,28 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const Environment& env
 /// launcher hosts its store with StoreHost.
 int free_port();
 
-/// Hosts a c10d::TCPStore server on loopback at a port the kernel picks and
-/// keeps bound, for ranks that join it as clients (Environment::agent_store,
-/// as torchrun's agent does): no race for the port with other processes.
+/// Where gloo's transport binds: the interfaces GLOO_SOCKET_IFNAME names
+/// (comma-separated, one device each, as torch.distributed does), else the
+/// local address the routing table uses towards MASTER_ADDR.
+struct GlooTransport {
+  std::vector<std::string> interfaces;
+  std::string address;
+  std::string describe() const;
+};
+GlooTransport gloo_transport_for(const std::string& master_addr, int master_port);
+
+/// This host's source address for traffic to `host` (the routing table's
+/// choice; nothing is sent). An error when `host` does not resolve.
+std::string local_address_towards(const std::string& host, int port);
+
+/// Hosts a c10d::TCPStore server for ranks that join it as clients
+/// (Environment::agent_store, as torchrun's agent does), on a socket bound to
+/// `host` only (never every interface) and kept bound: port 0 lets the
+/// kernel pick one, so no other process can take it in between.
 class StoreHost {
  public:
-  explicit StoreHost(std::chrono::milliseconds timeout = std::chrono::minutes(5));
+  explicit StoreHost(std::chrono::milliseconds timeout = std::chrono::minutes(5),
+                     const std::string& host = "127.0.0.1", int port = 0);
   ~StoreHost();
   StoreHost(const StoreHost&) = delete;
   StoreHost& operator=(const StoreHost&) = delete;

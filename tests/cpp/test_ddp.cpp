@@ -18,6 +18,7 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -551,7 +552,7 @@ TEST_CASE("compute_bucket_assignment", "[dist][ddp]") {
 TEST_CASE("Environment::from_env reads the torchrun variables", "[dist][ddp]") {
   // Only checks parsing of values handed in; the variables are restored after.
   const char* names[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                         "TORCHELASTIC_USE_AGENT_STORE"};
+                         "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT"};
   std::map<std::string, std::string> saved;
   for (const char* n : names) {
     if (const char* v = std::getenv(n)) saved[n] = v;
@@ -569,14 +570,63 @@ TEST_CASE("Environment::from_env reads the torchrun variables", "[dist][ddp]") {
   CHECK(env->master_addr == "127.0.0.1");
   CHECK(env->master_port == 12345);
   CHECK_FALSE(env->agent_store);
+  CHECK(env->restart_count == 0);
   ::setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);  // torchrun's agent hosts the store
   CHECK(dist::Environment::from_env()->agent_store);
+  ::setenv("TORCHELASTIC_RESTART_COUNT", "3", 1);  // torchrun restarted the group 3 times
+  CHECK(dist::Environment::from_env()->restart_count == 3);
+  ::setenv("TORCHELASTIC_RESTART_COUNT", "-1", 1);
+  CHECK_THROWS_WITH(dist::Environment::from_env(), Contains("TORCHELASTIC_RESTART_COUNT"));
+  ::unsetenv("TORCHELASTIC_RESTART_COUNT");
   ::setenv("RANK", "4", 1);
   CHECK_THROWS_WITH(dist::Environment::from_env(), Contains("RANK"));
   ::setenv("RANK", "x1", 1);
   CHECK_THROWS_WITH(dist::Environment::from_env(), Contains("RANK"));
   for (const char* n : names) ::unsetenv(n);
   for (const auto& [k, v] : saved) ::setenv(k.c_str(), v.c_str(), 1);
+}
+
+TEST_CASE("gloo binds the address that routes to the master, or GLOO_SOCKET_IFNAME's interfaces",
+          "[dist]") {
+  std::string saved;
+  const bool had = std::getenv("GLOO_SOCKET_IFNAME") != nullptr;
+  if (had) saved = std::getenv("GLOO_SOCKET_IFNAME");
+  ::unsetenv("GLOO_SOCKET_IFNAME");
+  // A loopback master is reached from a loopback address, whatever the
+  // hostname resolves to; 127.0.0.2 is a different address of lo.
+  CHECK(dist::local_address_towards("127.0.0.2", 29500) == "127.0.0.1");
+  auto t = dist::gloo_transport_for("127.0.0.1", 29500);
+  CHECK(t.interfaces.empty());
+  CHECK(t.address == "127.0.0.1");
+  CHECK_THROWS_WITH(dist::local_address_towards("no-such-host.invalid", 1),
+                    Contains("MASTER_ADDR=no-such-host.invalid"));
+  ::setenv("GLOO_SOCKET_IFNAME", "eth0,,ib1", 1);  // torch splits at commas, empty names dropped
+  t = dist::gloo_transport_for("127.0.0.1", 29500);
+  CHECK(t.interfaces == std::vector<std::string>{"eth0", "ib1"});
+  CHECK_THAT(t.describe(), Contains("eth0,ib1"));
+  ::setenv("GLOO_SOCKET_IFNAME", ",", 1);
+  CHECK_THROWS_WITH(dist::gloo_transport_for("127.0.0.1", 29500), Contains("GLOO_SOCKET_IFNAME"));
+  ::unsetenv("GLOO_SOCKET_IFNAME");
+  if (had) ::setenv("GLOO_SOCKET_IFNAME", saved.c_str(), 1);
+}
+
+TEST_CASE("StoreHost serves only the address it is given", "[dist]") {
+  const dist::StoreHost host(std::chrono::seconds(5), "127.0.0.2", 0);
+  REQUIRE(host.port() > 0);
+  c10d::TCPStoreOptions client;
+  client.port = static_cast<std::uint16_t>(host.port());
+  client.isServer = false;
+  client.waitWorkers = false;
+  client.timeout = std::chrono::seconds(5);
+  c10d::TCPStore joined("127.0.0.2", client);
+  joined.set("k", std::vector<uint8_t>{1, 2});
+  CHECK(joined.get("k") == std::vector<uint8_t>{1, 2});
+  // Not on every interface: 127.0.0.1 (same lo, same port) refuses.
+  client.timeout = std::chrono::milliseconds(1500);
+  CHECK_THROWS(c10d::TCPStore("127.0.0.1", client));
+  // The port is taken while the host lives.
+  CHECK_THROWS_WITH(dist::StoreHost(std::chrono::seconds(1), "127.0.0.2", host.port()),
+                    Contains("cannot host the rendezvous store"));
 }
 
 TEST_CASE("DDP on one gloo rank: state_dict keys carry module., module() is the model",
