@@ -136,7 +136,7 @@ def main() -> None:
     out = HERE / "results" / f"multihost-{machine_slug(info)}-{datetime.date.today().isoformat()}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"machine": info, "repeats": args.repeats, "rows": rows}, indent=1) + "\n")
-    print(f"\n{info.get('cpu', '')}; median of {args.repeats} runs, written to {out.relative_to(ROOT)}\n")
+    print(f"\n{info.get('cpu_model', '')}; median of {args.repeats} runs, written to {out.relative_to(ROOT)}\n")
     print("| model | placement | ms/step | vs 1 host |\n|---|---|---|---|")
     for r in rows:
         if "ms_per_step" in r:

@@ -244,14 +244,16 @@ def test_python_ddp_script_under_torchrun_matches_one_host(hosts, tmp_path):
     assert a["scaler"] == b["scaler"]
 
 
-def test_own_launcher_across_hosts(hosts, tmp_path, tmp_path_factory):
+@pytest.mark.parametrize("nproc", [1, 2], ids=["2x1", "2x2"])
+def test_own_launcher_across_hosts(hosts, tmp_path, tmp_path_factory, nproc):
     """fusetrain train --nnodes 2 --node-rank R --master-addr A --master-port
-    P: host 0's launcher hosts the store on A only (not on every interface),
-    and the result equals one host's."""
+    P [--nproc 2]: host 0's launcher hosts the store on A only (not on every
+    interface), and the result equals one host's."""
     port = next(_ports)
     run_dir = tmp_path / "run"
-    procs = [hosts.popen(i, launcher_argv(hosts, i, port, run_dir), env=clean_env(), text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in (0, 1)]
+    procs = [hosts.popen(i, launcher_argv(hosts, i, port, run_dir, "--nproc", str(nproc)),
+                         env=clean_env(), text=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE) for i in (0, 1)]
     listening = ""
     end = time.monotonic() + 60
     while port_text(port) not in listening and time.monotonic() < end and procs[0].poll() is None:
@@ -261,7 +263,7 @@ def test_own_launcher_across_hosts(hosts, tmp_path, tmp_path_factory):
         ok(p)
     bound = [line.split()[3] for line in listening.splitlines() if line.split()[3].endswith(port_text(port))]
     assert bound == [f"{hosts.addr(0)}{port_text(port)}"], f"the store listens on {bound}"
-    assert_same_state(final_state(run_dir), final_state(reference(tmp_path_factory, 2)))
+    assert_same_state(final_state(run_dir), final_state(reference(tmp_path_factory, 2 * nproc)))
 
 
 def port_text(port: int) -> str:
@@ -366,6 +368,7 @@ def test_elastic_restart_resumes_bit_identical(hosts, tmp_path, tmp_path_factory
     expected = reference(tmp_path_factory, 2, *LONG)
     assert_same_state(final_state(run_dir), final_state(expected))
     assert train_steps(run_dir) == train_steps(expected)
+    assert_no_orphans(str(run_dir))
 
 
 def test_killed_while_writing_a_checkpoint_resumes_from_the_previous(tmp_path, tmp_path_factory):
