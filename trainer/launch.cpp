@@ -212,7 +212,9 @@ Distributed::Distributed(const dist::Environment& env, c10::DeviceType device_ty
     : rank_(env.rank),
       world_size_(env.world_size),
       local_rank_(env.local_rank),
-      timeout_(timeout) {
+      timeout_(timeout),
+      device_(device_type == c10::DeviceType::CUDA ? at::Device(at::kCUDA, env.local_rank)
+                                                   : at::Device(at::kCPU)) {
   if (world_size_ > 1) {
     dist::ProcessGroupOptions options;
     options.device_type = device_type;
@@ -249,19 +251,22 @@ void Distributed::barrier() const {
 std::vector<std::string> Distributed::allgather_text(const std::string& text) const {
   if (!group_) return {text};
   // Lengths first, then every text padded to the longest.
-  at::Tensor length = at::tensor({static_cast<int64_t>(text.size())}, at::kLong);
+  // On the group's device (NCCL takes GPU tensors only), read back on the host.
+  at::Tensor length = at::tensor({static_cast<int64_t>(text.size())}, at::kLong).to(device_);
   allreduce_max_(length);
   const int64_t longest = length.item<int64_t>();
   at::Tensor mine = at::zeros({longest + 8}, at::kByte);
   const int64_t n = static_cast<int64_t>(text.size());
   std::memcpy(mine.data_ptr(), &n, sizeof(n));
   std::memcpy(mine.data_ptr<uint8_t>() + 8, text.data(), text.size());
+  mine = mine.to(device_);
   std::vector<std::vector<at::Tensor>> out(1);
   for (int r = 0; r < world_size_; ++r) out[0].push_back(at::empty_like(mine));
   std::vector<at::Tensor> in = {mine};
   group_->allgather(out, in)->wait();
   std::vector<std::string> texts;
-  for (const auto& t : out[0]) {
+  for (const auto& gathered : out[0]) {
+    const at::Tensor t = gathered.cpu();
     int64_t len = 0;
     std::memcpy(&len, t.data_ptr(), sizeof(len));
     texts.emplace_back(reinterpret_cast<const char*>(t.data_ptr<uint8_t>() + 8),
@@ -272,11 +277,15 @@ std::vector<std::string> Distributed::allgather_text(const std::string& text) co
 
 std::string Distributed::broadcast_text(const std::string& text) const {
   if (!group_) return text;
-  at::Tensor length = at::tensor({static_cast<int64_t>(text.size())}, at::kLong);
+  at::Tensor length = at::tensor({static_cast<int64_t>(text.size())}, at::kLong).to(device_);
   broadcast_({length});
   at::Tensor bytes = at::zeros({length.item<int64_t>()}, at::kByte);
   if (rank_ == 0) std::memcpy(bytes.data_ptr(), text.data(), text.size());
-  if (bytes.numel() > 0) broadcast_({bytes});
+  if (bytes.numel() > 0) {
+    bytes = bytes.to(device_);
+    broadcast_({bytes});
+    bytes = bytes.cpu();
+  }
   return std::string(reinterpret_cast<const char*>(bytes.data_ptr<uint8_t>()),
                      static_cast<size_t>(bytes.numel()));
 }

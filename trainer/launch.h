@@ -91,6 +91,8 @@ class Distributed {
   int world_size_ = 1;
   int local_rank_ = 0;
   std::chrono::milliseconds timeout_{0};
+  /// Where the group's collectives take their tensors (NCCL: this rank's GPU).
+  at::Device device_{at::kCPU};
   std::string own_address_;
   std::vector<std::string> peer_addresses_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
