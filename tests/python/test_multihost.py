@@ -198,6 +198,22 @@ def test_torchrun_cli_trainer_matches_one_host(hosts, tmp_path, tmp_path_factory
     assert train_steps(run_dir) == train_steps(reference(tmp_path_factory, 2 * nproc))
 
 
+def test_torchrun_static_rendezvous(hosts, tmp_path, tmp_path_factory):
+    """The form of the issue's report: torchrun --nnodes 2 --node-rank R
+    --master-addr HOST0 (static rendezvous), no GLOO_SOCKET_IFNAME: gloo
+    connected to 127.0.0.1 before; now the run equals one host's."""
+    port = next(_ports)
+    run_dir = tmp_path / "run"
+    procs = [hosts.popen(i, [str(TORCHRUN), "--nnodes", "2", "--node-rank", str(i),
+                             "--master-addr", hosts.addr(0), "--master-port", str(port),
+                             "--nproc-per-node", "1", "--no-python", str(BIN), *train_args(run_dir)],
+                         env=clean_env(), text=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE) for i in (0, 1)]
+    for p in finish(procs, RUN_DEADLINE_S):
+        ok(p)
+    assert_same_state(final_state(run_dir), final_state(reference(tmp_path_factory, 2)))
+
+
 def test_gloo_honours_socket_ifname(hosts, tmp_path):
     """GLOO_SOCKET_IFNAME names the interface as in torch.distributed: the
     host's eth0 works; an interface that does not exist is an error naming
