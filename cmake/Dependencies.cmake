@@ -21,6 +21,13 @@ endif()
 
 find_package(ZLIB REQUIRED)
 
+find_package(nlohmann_json 3 QUIET)
+if(NOT TARGET nlohmann_json::nlohmann_json)
+  find_path(NLOHMANN_JSON_INCLUDE_DIR nlohmann/json.hpp REQUIRED)
+  add_library(nlohmann_json::nlohmann_json INTERFACE IMPORTED)
+  target_include_directories(nlohmann_json::nlohmann_json INTERFACE ${NLOHMANN_JSON_INCLUDE_DIR})
+endif()
+
 # Declarations only: torch's ProcessGroupGloo.hpp includes gloo's headers.
 find_path(GLOO_INCLUDE_DIR gloo/algorithm.h REQUIRED)
 

@@ -6,9 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 TORCH_VERSION=2.11.0
-APT_PACKAGES=(cmake ninja-build ccache g++ libcxxopts-dev catch2 libyaml-cpp-dev libgloo-dev
+APT_PACKAGES=(cmake ninja-build ccache g++ libcxxopts-dev catch2 libyaml-cpp-dev nlohmann-json3-dev libgloo-dev
               zlib1g-dev dataset-fashion-mnist iproute2 nftables)
-PY_PACKAGES=(numpy pytest pybind11 matplotlib pyyaml setuptools wheel)
+PY_PACKAGES=(numpy pytest pybind11 matplotlib pyyaml setuptools wheel safetensors)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -180,11 +180,33 @@ const std::vector<KeySpec>& config_schema() {
       key("model.n_head", K::kInt, "4", "gpt: attention heads (divides d_model)", {}, 1, 1024),
       key("model.d_model", K::kInt, "128", "gpt: embedding width", {}, 8, 65536),
       key("model.seq_len", K::kInt, "128", "gpt: context length in tokens", {}, 2, 1 << 20),
+      key("model.vocab_size", K::kInt, "0",
+          "gpt on data.name=tokens: the vocabulary (every id below it; 0: 1 + the largest id); "
+          "text: 256", {}, 0, 1 << 24),
 
-      key("data.name", K::kString, "fashion_mnist", "dataset",
-          {"fashion_mnist", "synthetic_images", "synthetic_tokens", "text"}),
+      key("data.name", K::kString, "fashion_mnist",
+          "dataset (tensors: inputs and labels in a .safetensors or torch.save file; tokens: a "
+          "file of token ids; text: the bytes of a text file; synthetic: generated images, or "
+          "tokens for gpt)",
+          {"fashion_mnist", "tensors", "tokens", "text", "synthetic", "synthetic_images",
+           "synthetic_tokens"}),
       key("data.path", K::kString, "/usr/share/datasets/fashion-mnist",
-          "fashion_mnist: directory of the gzip IDX files; text: the text file"),
+          "fashion_mnist: directory of the gzip IDX files; tensors, tokens, text: the file"),
+      key("data.val_path", K::kString, "",
+          "tensors, tokens, text: a separate validation file of the same kind (empty: "
+          "data.val_fraction of data.path)"),
+      key("data.val_fraction", K::kFloat, "0.1",
+          "tensors, tokens, text without data.val_path: the share held out for validation "
+          "(tensors: a seeded random subset; tokens, text: the end of the stream)", {}, 0.0001,
+          0.9),
+      key("data.mean", K::kFloat, "0",
+          "tensors: inputs are normalised to (x - mean) / std, uint8 inputs after scaling to "
+          "[0, 1]", {}),
+      key("data.std", K::kFloat, "1", "tensors: see data.mean", {}, 1e-12),
+      key("data.token_dtype", K::kString, "uint16", "tokens: width of the ids in the file",
+          {"uint16", "uint32"}),
+      key("data.context", K::kInt, "0",
+          "tokens, text: tokens per training window (0: model.seq_len)", {}, 0, 1 << 20),
       key("data.batch_size", K::kInt, "128",
           "global batch per optimizer step, split over ranks and accumulation micro-batches", {},
           1, 1 << 24),
@@ -197,7 +219,9 @@ const std::vector<KeySpec>& config_schema() {
       key("data.seed", K::kInt, "0", "seed of the data order and of synthetic data", {}, 0, 1e15),
       key("data.image_size", K::kInt, "32", "synthetic_images: height and width", {}, 4, 4096),
       key("data.channels", K::kInt, "3", "synthetic_images: channels", {}, 1, 4096),
-      key("data.num_classes", K::kInt, "10", "synthetic_images: classes", {}, 2, 1 << 20),
+      key("data.num_classes", K::kInt, "0",
+          "classes (synthetic: 0 means 10; tensors: every label below it, 0: 1 + the largest "
+          "label)", {}, 0, 1 << 20),
 
       key("train.epochs", K::kInt, "8", "passes over the training set", {}, 1, 1e9),
       key("train.max_steps", K::kInt, "0",
@@ -214,6 +238,8 @@ const std::vector<KeySpec>& config_schema() {
           0),
       key("train.seed", K::kInt, "0", "seed of the initialisation and of dropout", {}, 0, 1e15),
       key("train.log_every", K::kInt, "50", "steps between metrics.jsonl records", {}, 1, 1e15),
+      key("train.eval_every", K::kInt, "0",
+          "also evaluate every N steps (0: at the end of each epoch only)", {}, 0, 1e15),
 
       key("optimizer.name", K::kString, "adamw", "fused optimizer", {"adamw", "sgd"}),
       key("optimizer.lr", K::kFloat, "0.001", "peak learning rate", {}, 0),

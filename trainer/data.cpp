@@ -2,11 +2,14 @@
 // per-rank batch sampler.
 #include "data.h"
 
+#include "data_files.h"
+
 #include <ATen/core/DistributionsHelper.h>
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <zlib.h>
 
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -77,7 +80,7 @@ Split synthetic_image_split(const at::Tensor& templates, int64_t n, at::Generato
 Dataset synthetic_images(const Config& config) {
   const int64_t c = config.get_int("data.channels");
   const int64_t s = config.get_int("data.image_size");
-  const int64_t classes = config.get_int("data.num_classes");
+  const int64_t classes = config.get_int("data.num_classes") ? config.get_int("data.num_classes") : 10;
   const uint64_t seed = mix_seed(static_cast<uint64_t>(config.get_int("data.seed")));
   at::Generator gen = generator(seed);
   const at::Tensor templates = at::randn({classes, c, s, s}, gen, at::TensorOptions().dtype(at::kFloat));
@@ -123,34 +126,214 @@ Dataset synthetic_tokens(const Config& config) {
   return d;
 }
 
-Dataset text_file(const Config& config) {
-  const std::string path = config.get_string("data.path");
-  check_data_available(config);
+// ---------------------------------------------------------------- tensors
+
+at::Tensor named(const std::map<std::string, at::Tensor>& tensors, const std::string& name,
+                 const std::string& file) {
+  const auto it = tensors.find(name);
+  if (it != tensors.end()) return it->second;
+  std::string have;
+  for (const auto& [k, v] : tensors) have += (have.empty() ? "" : ", ") + k;
+  throw UsageError(file + " has no tensor \"" + name + "\" (it holds: " +
+                   (have.empty() ? "none" : have) + "); data.name=tensors reads \"inputs\" [N, ...] "
+                   "and \"labels\" [N]");
+}
+
+// One file's inputs and labels, checked and normalised.
+Split classification_split(const std::string& path, const std::string& key, const Config& config) {
+  const auto tensors = read_tensor_file(path, key);
+  const std::string file = key + ": " + path;
+  at::Tensor x = named(tensors, "inputs", file);
+  at::Tensor y = named(tensors, "labels", file);
+  if (x.dim() < 2) {
+    throw UsageError(file + ": \"inputs\" has shape " + c10::str(x.sizes()) +
+                     "; it must be [N, ...] with at least one feature dimension");
+  }
+  if (y.dim() != 1 || y.size(0) != x.size(0)) {
+    throw UsageError(file + ": \"labels\" has shape " + c10::str(y.sizes()) + "; it must be [" +
+                     std::to_string(x.size(0)) + "], one label per input");
+  }
+  if (x.size(0) == 0) throw UsageError(file + " holds no samples");
+  if (!at::isIntegralType(y.scalar_type(), /*includeBool=*/false)) {
+    throw UsageError(file + ": \"labels\" are " + c10::toString(y.scalar_type()) +
+                     "; class labels must be integers");
+  }
+  if (x.scalar_type() == at::kByte) {
+    x = x.to(at::kFloat).div_(255.0);
+  } else if (at::isFloatingType(x.scalar_type())) {
+    x = x.to(at::kFloat);
+  } else {
+    throw UsageError(file + ": \"inputs\" are " + c10::toString(x.scalar_type()) +
+                     "; they must be uint8 (scaled to [0, 1]) or floating point");
+  }
+  x = x.sub_(config.get_float("data.mean")).div_(config.get_float("data.std"));
+  if (x.dim() == 3) x = x.unsqueeze(1);  // [N, H, W] images: one channel
+  y = y.to(at::kLong);
+  const at::Tensor negative = (y < 0).nonzero();
+  if (negative.numel() > 0) {
+    const int64_t i = negative[0][0].item<int64_t>();
+    throw UsageError(file + ": label " + std::to_string(y[i].item<int64_t>()) + " at index " +
+                     std::to_string(i) + " is negative");
+  }
+  const int64_t classes = config.get_int("data.num_classes");
+  if (classes > 0) {
+    const at::Tensor over = (y >= classes).nonzero();
+    if (over.numel() > 0) {
+      const int64_t i = over[0][0].item<int64_t>();
+      throw UsageError(file + ": label " + std::to_string(y[i].item<int64_t>()) + " at index " +
+                       std::to_string(i) + " is out of range for data.num_classes=" +
+                       std::to_string(classes) + " (labels are 0 .. num_classes - 1)");
+    }
+  }
+  return Split{x.contiguous(), y};
+}
+
+Split rows(const Split& s, const at::Tensor& index) {
+  return Split{s.inputs.index_select(0, index), s.targets.index_select(0, index)};
+}
+
+Dataset tensors_dataset(const Config& config) {
+  const std::string& path = config.get_string("data.path");
+  const std::string& val_path = config.get_string("data.val_path");
+  Split train = classification_split(path, "data.path", config);
+  Split val;
+  if (!val_path.empty()) {
+    val = classification_split(val_path, "data.val_path", config);
+    if (val.inputs.sizes().slice(1) != train.inputs.sizes().slice(1)) {
+      throw UsageError("data.val_path: " + val_path + ": inputs of shape " +
+                       c10::str(val.inputs.sizes()) + " do not match the training inputs " +
+                       c10::str(train.inputs.sizes()) + " of " + path);
+    }
+  } else {
+    // A seeded random subset, so that a file sorted by class still
+    // validates on every class.
+    const int64_t n = train.size();
+    const int64_t n_val = std::llround(static_cast<double>(n) * config.get_float("data.val_fraction"));
+    if (n_val < 1 || n_val >= n) {
+      throw UsageError("data.val_fraction=" + std::to_string(config.get_float("data.val_fraction")) +
+                       " of the " + std::to_string(n) + " samples of " + path +
+                       " leaves no validation or no training sample; set data.val_path");
+    }
+    at::Generator gen = generator(mix_seed(static_cast<uint64_t>(config.get_int("data.seed")) ^ 0x7661ULL));
+    const at::Tensor perm = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
+    val = rows(train, std::get<0>(perm.narrow(0, 0, n_val).sort()));
+    train = rows(train, std::get<0>(perm.narrow(0, n_val, n - n_val).sort()));
+  }
+  int64_t classes = config.get_int("data.num_classes");
+  if (classes == 0) {
+    classes = 1 + std::max(train.targets.max().item<int64_t>(), val.targets.max().item<int64_t>());
+  }
+  if (classes < 2) {
+    throw UsageError("data.path: " + path + ": every label is 0; a classifier needs at least two "
+                     "classes (or set data.num_classes)");
+  }
+  Dataset d;
+  d.train = std::move(train);
+  d.test = std::move(val);
+  d.num_classes = classes;
+  d.input_shape = d.train.inputs.sizes().slice(1).vec();
+  d.mean = config.get_float("data.mean");
+  d.std = config.get_float("data.std");
+  d.description = "tensors of " + path + " (" + std::to_string(d.train.size()) + " train / " +
+                  std::to_string(d.test.size()) + " validation, inputs " +
+                  c10::str(d.train.inputs.sizes().slice(1)) + ", " + std::to_string(classes) +
+                  " classes)";
+  return d;
+}
+
+// ---------------------------------------------------------------- token streams
+
+at::Tensor text_bytes(const std::string& path, const std::string& key) {
   std::ifstream in(path, std::ios::binary);
-  if (!in.good()) throw UsageError("data.path: cannot read the text file " + path);
+  if (!in.good()) throw UsageError(key + ": cannot read the text file " + path);
   std::stringstream buf;
   buf << in.rdbuf();
   const std::string bytes = buf.str();
-  const int64_t t = config.get_int("model.seq_len");
-  const int64_t windows = bytes.size() > 1 ? static_cast<int64_t>(bytes.size() - 1) / t : 0;
-  if (windows < 2) {
-    throw UsageError("data.path: " + path + " holds " + std::to_string(bytes.size()) +
-                     " bytes, fewer than two windows of model.seq_len=" + std::to_string(t) +
-                     " + 1 tokens");
-  }
+  if (bytes.empty()) throw UsageError(key + ": " + path + " is empty");
   at::Tensor all = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
   std::memcpy(all.data_ptr<uint8_t>(), bytes.data(), bytes.size());
-  all = all.to(at::kLong);
-  // Window i covers bytes [i * t, i * t + t]: inputs and targets shifted by one.
-  at::Tensor seqs = all.narrow(0, 0, windows * t + 1).unfold(0, t + 1, t).contiguous();
-  const int64_t n_test = std::max<int64_t>(1, windows / 10);
+  return all.to(at::kLong);
+}
+
+// Inputs and next-token targets of every window of `t` tokens of `stream`,
+// window i starting at token i: views, no copy.
+Split all_windows(const at::Tensor& stream, int64_t t) {
+  const int64_t n = stream.size(0) - 1;
+  return Split{stream.narrow(0, 0, n).unfold(0, t, 1), stream.narrow(0, 1, n).unfold(0, t, 1)};
+}
+
+void check_ids(const at::Tensor& ids, int64_t vocab, const std::string& what) {
+  const at::Tensor bad = ((ids < 0) | (ids >= vocab)).nonzero();
+  if (bad.numel() == 0) return;
+  const int64_t i = bad[0][0].item<int64_t>();
+  throw UsageError(what + ": token id " + std::to_string(ids[i].item<int64_t>()) + " at position " +
+                   std::to_string(i) + " is not below model.vocab_size=" + std::to_string(vocab));
+}
+
+Dataset stream_dataset(const Config& config) {
+  const bool text = config.get_string("data.name") == "text";
+  const std::string& path = config.get_string("data.path");
+  const std::string& val_path = config.get_string("data.val_path");
+  const std::string& dtype = config.get_string("data.token_dtype");
+  const auto read = [&](const std::string& p, const std::string& key) {
+    return text ? text_bytes(p, key) : read_token_file(p, dtype, key);
+  };
+  const int64_t seq_len = config.get_int("model.seq_len");
+  const int64_t t = config.get_int("data.context") > 0 ? config.get_int("data.context") : seq_len;
+  if (t > seq_len) {
+    throw config.error("data.context", "is longer than the model's context model.seq_len=" +
+                                           std::to_string(seq_len));
+  }
+  at::Tensor train = read(path, "data.path");
+  at::Tensor val;
+  if (!val_path.empty()) {
+    val = read(val_path, "data.val_path");
+  } else {
+    // The end of the stream: the windows a model has not seen.
+    const int64_t n = train.size(0);
+    const int64_t n_val = std::llround(static_cast<double>(n) * config.get_float("data.val_fraction"));
+    val = train.narrow(0, n - std::min(n, n_val), std::min(n, n_val));
+    train = train.narrow(0, 0, n - val.size(0));
+  }
+  const std::string unit = text ? " bytes" : " tokens";
+  if (train.size(0) < t + 1 + 1) {
+    throw UsageError("data.path: " + path + " leaves " + std::to_string(train.size(0)) + unit +
+                     " for training, fewer than two windows of data.context=" + std::to_string(t) +
+                     " + 1");
+  }
+  if (val.size(0) < t + 1) {
+    throw UsageError((val_path.empty() ? "data.val_fraction: the held-out end of " + path
+                                       : "data.val_path: " + val_path) +
+                     " holds " + std::to_string(val.size(0)) + unit + ", fewer than one window of " +
+                     std::to_string(t) + " + 1");
+  }
+  int64_t vocab = config.get_int("model.vocab_size");
+  if (text) {
+    if (vocab != 0 && vocab < 256) {
+      throw config.error("model.vocab_size", "text is bytes: the vocabulary is 256");
+    }
+    vocab = std::max<int64_t>(vocab, 256);
+  } else if (vocab > 0) {
+    check_ids(train, vocab, "data.path: " + path);
+    check_ids(val, vocab, val_path.empty() ? "data.path: " + path : "data.val_path: " + val_path);
+  } else {
+    vocab = 1 + std::max(train.max().item<int64_t>(), val.max().item<int64_t>());
+  }
+  // Validation: non-overlapping windows, each scored once.
+  const int64_t val_windows = (val.size(0) - 1) / t;
   Dataset d;
-  d.train = windows_split(seqs.narrow(0, 0, windows - n_test));
-  d.test = windows_split(seqs.narrow(0, windows - n_test, n_test));
-  d.num_classes = 256;
+  d.train_stream = train;
+  d.train = all_windows(train, t);
+  d.test = windows_split(val.narrow(0, 0, val_windows * t + 1).unfold(0, t + 1, t).contiguous());
+  d.random_windows = true;
+  d.samples_per_epoch = (train.size(0) - 1) / t;
+  d.num_classes = vocab;
   d.input_shape = {t};
   d.is_tokens = true;
-  d.description = "bytes of " + path + " (" + std::to_string(bytes.size()) + " bytes)";
+  d.byte_vocab = text;
+  d.description = (text ? "bytes of " : "tokens of ") + path + " (" +
+                  std::to_string(train.size(0)) + " train / " + std::to_string(val.size(0)) +
+                  " validation" + unit + ", windows of " + std::to_string(t) + ")";
   return d;
 }
 
@@ -181,9 +364,17 @@ void check_data_available(const Config& config) {
                          "*-ubyte.gz files");
       }
     }
-  } else if (name == "text" && !file_exists(path)) {
-    throw UsageError("data.path: the text file " + path + " does not exist (data.name=text "
-                     "trains on the bytes of a text file)");
+  } else if (name == "text" || name == "tokens" || name == "tensors") {
+    const char* what = name == "text"     ? "the text file"
+                       : name == "tokens" ? "the token file"
+                                          : "the tensors file";
+    if (!file_exists(path)) {
+      throw UsageError("data.path: " + std::string(what) + " " + path + " does not exist");
+    }
+    const std::string& val = config.get_string("data.val_path");
+    if (!val.empty() && !file_exists(val)) {
+      throw UsageError("data.val_path: " + std::string(what) + " " + val + " does not exist");
+    }
   }
 }
 
@@ -231,16 +422,30 @@ Dataset load_dataset(const Config& config, const at::Device& device) {
   Dataset d;
   if (name == "fashion_mnist") {
     d = fashion_mnist(config);
-  } else if (name == "synthetic_images") {
-    d = synthetic_images(config);
-  } else if (name == "synthetic_tokens") {
+  } else if (name == "tensors") {
+    d = tensors_dataset(config);
+  } else if (name == "synthetic_tokens" ||
+             (name == "synthetic" && config.get_string("model.name") == "gpt")) {
     d = synthetic_tokens(config);
+  } else if (name == "synthetic_images" || name == "synthetic") {
+    d = synthetic_images(config);
   } else {
-    d = text_file(config);
+    d = stream_dataset(config);
   }
-  d.train = take_first(d.train, config.get_int("data.train_samples"));
   d.test = take_first(d.test, config.get_int("data.test_samples"));
-  d.train = Split{d.train.inputs.to(device).contiguous(), d.train.targets.to(device).contiguous()};
+  if (d.random_windows) {
+    // Windows are views of the stream: move the stream, then view it there.
+    if (config.get_int("data.train_samples") > 0) {
+      d.samples_per_epoch = std::min(d.samples_per_epoch, config.get_int("data.train_samples"));
+    }
+    const int64_t t = d.train.inputs.size(1);
+    const at::Tensor stream = d.train_stream.to(device);
+    d.train_stream = at::Tensor();
+    d.train = all_windows(stream, t);
+  } else {
+    d.train = take_first(d.train, config.get_int("data.train_samples"));
+    d.train = Split{d.train.inputs.to(device).contiguous(), d.train.targets.to(device).contiguous()};
+  }
   d.test = Split{d.test.inputs.to(device).contiguous(), d.test.targets.to(device).contiguous()};
   return d;
 }
@@ -256,14 +461,35 @@ BatchSampler::BatchSampler(int64_t num_samples, int64_t global_batch, int world_
       steps_per_epoch_(num_samples / global_batch),
       device_(device) {}
 
+BatchSampler BatchSampler::random_windows(int64_t num_samples, int64_t samples_per_epoch,
+                                          int64_t global_batch, int world_size, int rank,
+                                          int64_t grad_accum, uint64_t seed, at::Device device) {
+  BatchSampler s(num_samples, global_batch, world_size, rank, grad_accum, seed, device);
+  s.steps_per_epoch_ = samples_per_epoch / global_batch;
+  s.random_windows_ = true;
+  return s;
+}
+
 at::Tensor BatchSampler::indices(int64_t epoch, int64_t step_in_epoch, int64_t micro) {
+  const int64_t per_rank = global_batch_ / world_size_;
+  const int64_t micro_size = per_rank / grad_accum_;
+  if (random_windows_) {
+    if (step_in_epoch != cached_step_ || epoch != cached_epoch_) {
+      const uint64_t s = mix_seed(seed_ ^ mix_seed(static_cast<uint64_t>(epoch))) ^
+                         mix_seed(0x5354ULL + static_cast<uint64_t>(step_in_epoch));
+      at::Generator gen = generator(mix_seed(s));
+      permutation_ = at::randint(num_samples_, {global_batch_}, gen,
+                                 at::TensorOptions().dtype(at::kLong)).to(device_);
+      cached_epoch_ = epoch;
+      cached_step_ = step_in_epoch;
+    }
+    return permutation_.narrow(0, rank_ * per_rank + micro * micro_size, micro_size);
+  }
   if (epoch != cached_epoch_) {
     at::Generator gen = generator(mix_seed(seed_ ^ mix_seed(static_cast<uint64_t>(epoch))));
     permutation_ = at::randperm(num_samples_, gen, at::TensorOptions().dtype(at::kLong)).to(device_);
     cached_epoch_ = epoch;
   }
-  const int64_t per_rank = global_batch_ / world_size_;
-  const int64_t micro_size = per_rank / grad_accum_;
   const int64_t begin = step_in_epoch * global_batch_ + rank_ * per_rank + micro * micro_size;
   return permutation_.narrow(0, begin, micro_size);
 }

@@ -1,6 +1,8 @@
-// The trainer's datasets (Fashion-MNIST from its gzip IDX files, synthetic
-// images and tokens, a byte-level text file), held whole in memory, and the
-// sampler that gives each rank its shard of every global batch.
+// The trainer's datasets, held whole in memory: Fashion-MNIST from its gzip
+// IDX files, the user's classification tensors (safetensors or torch.save),
+// token streams (a file of ids, or the bytes of a text file), synthetic
+// images and tokens; and the sampler that gives each rank its shard of
+// every global batch.
 #pragma once
 
 #include "config.h"
@@ -13,8 +15,10 @@
 
 namespace fusetrain::trainer {
 
-/// One split, whole: inputs [N, C, H, W] float32 (images) or [N, T] int64
-/// (token windows); targets [N] int64 (classes) or [N, T] int64 (next tokens).
+/// One split, whole: inputs [N, C, H, W] or [N, D] float32 (classification)
+/// or [N, T] int64 (token windows); targets [N] int64 (classes) or [N, T]
+/// int64 (next tokens). A token stream's training split is a strided view,
+/// window i starting at token i (no copy).
 struct Split {
   at::Tensor inputs;
   at::Tensor targets;
@@ -29,6 +33,14 @@ struct Dataset {
   /// [C, H, W] for images, [T] for token windows.
   std::vector<int64_t> input_shape;
   bool is_tokens = false;
+  /// Tokens are bytes (text): validation reports bits per byte.
+  bool byte_vocab = false;
+  /// A token stream: every step draws random windows (BatchSampler's
+  /// random-window mode) and an epoch is samples_per_epoch of them.
+  bool random_windows = false;
+  int64_t samples_per_epoch = 0;  // 0: train.size()
+  /// The token stream `train` views (load_dataset moves it to the device).
+  at::Tensor train_stream;
   /// Normalisation applied to the images (x - mean) / std; 0 and 1 if none.
   double mean = 0.0;
   double std = 1.0;
@@ -65,6 +77,15 @@ class BatchSampler {
   BatchSampler(int64_t num_samples, int64_t global_batch, int world_size, int rank,
                int64_t grad_accum, uint64_t seed, at::Device device = at::kCPU);
 
+  /// Random-window mode, for token streams: step s of epoch e takes
+  /// global_batch sample indices drawn uniformly from [0, num_samples) by a
+  /// generator seeded from (seed, e, s), so a resumed run or another world
+  /// size sees the same windows; an epoch is samples_per_epoch / global_batch
+  /// steps.
+  static BatchSampler random_windows(int64_t num_samples, int64_t samples_per_epoch,
+                                     int64_t global_batch, int world_size, int rank,
+                                     int64_t grad_accum, uint64_t seed, at::Device device);
+
   int64_t steps_per_epoch() const { return steps_per_epoch_; }
   /// Sample indices (on the device) of micro-batch `micro` of step
   /// `step_in_epoch` of `epoch` for this rank.
@@ -81,6 +102,8 @@ class BatchSampler {
   at::Device device_;
   int64_t cached_epoch_ = -1;
   at::Tensor permutation_;
+  bool random_windows_ = false;
+  int64_t cached_step_ = -1;
 };
 
 /// This rank's contiguous part [begin, end) of `n` evaluation samples.

@@ -264,18 +264,16 @@ int run_train(int argc, char** argv) {
     at::set_num_threads(ft::threads_for(config, 1));
     return ft::run_training(config, plan, ft::Distributed());
   }
+  // The ranks read this host's resolved config from a private file; rank 0
+  // creates the run directory once the data has loaded, so bad input leaves
+  // nothing behind.
   std::vector<std::string> child = {"train", "--config-name", config.name()};
   if (spec.node_rank == 0) {
     // Host 0 plans the run (its ranks agree on rank 0's plan), so a bad
     // checkpoint fails here before any process starts.
     const ft::RunPlan plan = ft::plan_run(config, resume);
-    ft::prepare_run_dir(config, plan);
-    child.insert(child.end(), {"--config", plan.run_dir + "/config.yaml"});
     if (!plan.checkpoint.empty()) child.insert(child.end(), {"--resume", plan.checkpoint});
-    return ft::spawn_local_ranks(child, spec);
   }
-  // Other hosts hand their ranks this host's resolved config in a private
-  // file; the run directory and checkpoint come from rank 0.
   const PrivateFile file("config.yaml", config.to_yaml());
   child.insert(child.end(), {"--config", file.path()});
   return ft::spawn_local_ranks(child, spec);

@@ -293,11 +293,17 @@ class GptImpl : public ModelImpl {
 Model make_model(const Config& config, const Dataset& data) {
   const std::string& name = config.get_string("model.name");
   if (name == "gpt" && !data.is_tokens) {
-    throw config.error("model.name", "gpt needs token data (data.name=text or synthetic_tokens)");
+    throw config.error("model.name", "gpt needs token data (data.name=tokens, text or synthetic)");
   }
   if (name != "gpt" && data.is_tokens) {
-    throw config.error("model.name", name + " needs image data (data.name=fashion_mnist or "
-                                            "synthetic_images), not " + config.get_string("data.name"));
+    throw config.error("model.name", name + " needs images or feature vectors (data.name="
+                                            "fashion_mnist, tensors or synthetic), not " +
+                                            config.get_string("data.name"));
+  }
+  if ((name == "cnn" || name == "resnet") && data.input_shape.size() != 3) {
+    throw config.error("model.name", name + " needs images [C, H, W] (or [H, W]); the inputs are " +
+                                         c10::str(c10::IntArrayRef(data.input_shape)) +
+                                         " per sample: use model.name=mlp");
   }
   if (name == "mlp") return std::make_shared<MlpImpl>(config, data);
   if (name == "cnn") return std::make_shared<CnnImpl>(config, data);

@@ -314,7 +314,12 @@ class Trainer {
   void prepare_fused_steps(int64_t k);
   void clip_gradients();
   void log_window(int64_t step);
-  void end_epoch(int64_t step);
+  /// Evaluates and writes an eval record; at an epoch's end (else for
+  /// train.eval_every) also closes the epoch's training statistics.
+  void end_epoch(int64_t step, bool epoch_end = true);
+  /// The record's validation keys: val_loss, then val_accuracy
+  /// (classification) or val_bits_per_token (and val_bits_per_byte for bytes).
+  std::string validation_fields() const;
   void open_metrics();
   void write_metrics(const std::string& json);
   void say(const std::string& text) {
@@ -419,17 +424,23 @@ void Trainer::build() {
   scaler_ = std::make_unique<amp::GradScaler>(device_.type(), so);
 
   const int64_t batch = config_.get_int("data.batch_size");
-  steps_per_epoch_ = data_.train.size() / batch;
+  const int64_t per_epoch = data_.random_windows ? data_.samples_per_epoch : data_.train.size();
+  steps_per_epoch_ = per_epoch / batch;
   if (steps_per_epoch_ == 0) {
-    throw config_.error("data.batch_size", "is larger than the " + std::to_string(data_.train.size()) +
-                                               " training samples");
+    throw config_.error("data.batch_size", "is larger than the " + std::to_string(per_epoch) +
+                                               (data_.random_windows ? " windows of an epoch"
+                                                                     : " training samples"));
   }
   const int64_t max_steps = config_.get_int("train.max_steps");
   total_steps_ = max_steps > 0 ? max_steps : config_.get_int("train.epochs") * steps_per_epoch_;
+  const auto data_seed = static_cast<uint64_t>(config_.get_int("data.seed"));
+  const int64_t accum = config_.get_int("train.grad_accum");
   sampler_ = std::make_unique<BatchSampler>(
-      data_.train.size(), batch, world_.world_size(), world_.rank(),
-      config_.get_int("train.grad_accum"), static_cast<uint64_t>(config_.get_int("data.seed")),
-      device_);
+      data_.random_windows
+          ? BatchSampler::random_windows(data_.train.size(), data_.samples_per_epoch, batch,
+                                         world_.world_size(), world_.rank(), accum, data_seed, device_)
+          : BatchSampler(data_.train.size(), batch, world_.world_size(), world_.rank(), accum,
+                         data_seed, device_));
 
   const auto acc = at::TensorOptions().dtype(at::kFloat).device(device_);
   window_loss_ = at::zeros({1}, acc);
@@ -787,7 +798,16 @@ void Trainer::log_window(int64_t step) {
   window_seconds_ = 0.0;
 }
 
-void Trainer::end_epoch(int64_t step) {
+std::string Trainer::validation_fields() const {
+  std::string out = "\"val_loss\": " + json_number(last_eval_.loss) + ", ";
+  if (!data_.is_tokens) return out + "\"val_accuracy\": " + json_number(last_eval_.accuracy) + ", ";
+  const double bits = last_eval_.loss / std::log(2.0);
+  out += "\"val_bits_per_token\": " + json_number(bits) + ", ";
+  if (data_.byte_vocab) out += "\"val_bits_per_byte\": " + json_number(bits) + ", ";
+  return out;
+}
+
+void Trainer::end_epoch(int64_t step, bool epoch_end) {
   const at::Tensor sum = epoch_loss_.clone();
   world_.allreduce_sum_(sum);
   const double loss = sum.item<double>() / static_cast<double>(std::max<int64_t>(1, epoch_steps_) * world_.world_size());
@@ -800,21 +820,27 @@ void Trainer::end_epoch(int64_t step) {
   const double lr = lr_at(step - 1);
   const double scale = scaler_->get_scale();
   const int64_t skipped = skipped_before_ + static_cast<int64_t>(skipped_.item<float>());
-  say(format("epoch %ld/%ld  loss %.4f  test loss %.4f  accuracy %.2f%%  %.0f samples/s  lr %.2e  "
-             "scale %g  skipped %ld  (%s)",
-             static_cast<long>(epoch), static_cast<long>(epochs), loss, last_eval_.loss,
-             100.0 * last_eval_.accuracy, rate, lr, scale, static_cast<long>(skipped),
-             duration_text(epoch_seconds_).c_str()));
+  if (epoch_end) {
+    say(format("epoch %ld/%ld  loss %.4f  test loss %.4f  accuracy %.2f%%  %.0f samples/s  lr %.2e  "
+               "scale %g  skipped %ld  (%s)",
+               static_cast<long>(epoch), static_cast<long>(epochs), loss, last_eval_.loss,
+               100.0 * last_eval_.accuracy, rate, lr, scale, static_cast<long>(skipped),
+               duration_text(epoch_seconds_).c_str()));
+  } else {
+    say(format("  step %ld/%ld  validation loss %.4f  accuracy %.2f%%", static_cast<long>(step),
+               static_cast<long>(total_steps_), last_eval_.loss, 100.0 * last_eval_.accuracy));
+  }
   write_metrics(format("{\"kind\": \"eval\", \"step\": %ld, \"epoch\": %ld, \"loss\": %s, "
                        "\"lr\": %s, \"scale\": %s, \"skipped\": %ld, \"samples_per_s\": %s, "
-                       "\"accuracy\": %s, \"test_loss\": %s, \"time_s\": %s}",
+                       "\"accuracy\": %s, \"test_loss\": %s, %s\"time_s\": %s}",
                        static_cast<long>(step), static_cast<long>(epoch), json_number(loss).c_str(),
                        json_number(lr).c_str(), json_number(scale).c_str(),
                        static_cast<long>(skipped), json_number(rate).c_str(),
                        json_number(last_eval_.accuracy).c_str(),
-                       json_number(last_eval_.loss).c_str(),
+                       json_number(last_eval_.loss).c_str(), validation_fields().c_str(),
                        json_number(std::chrono::duration<double>(Clock::now() - run_start_).count())
                            .c_str()));
+  if (!epoch_end) return;
   epoch_loss_.zero_();
   epoch_steps_ = 0;
   epoch_seconds_ = 0.0;
@@ -872,6 +898,8 @@ int Trainer::run() {
   const int64_t k = config_.get_int("train.steps_per_execution");
   const int64_t log_every = config_.get_int("train.log_every");
   const int64_t ckpt_every = config_.get_int("output.checkpoint_every");
+  const int64_t eval_every = config_.get_int("train.eval_every");
+  int64_t last_eval_step = step_;
   int64_t last_log = step_, last_ckpt = step_;
   segment_start_ = Clock::now();
   const at::Tensor stop_flag = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device_));
@@ -910,7 +938,12 @@ int Trainer::run() {
       log_window(step_);
       last_log = step_;
     }
-    if (epoch_end && !stop) end_epoch(step_);
+    if (epoch_end && !stop) {
+      end_epoch(step_);
+    } else if (eval_every > 0 && step_ / eval_every > last_eval_step / eval_every && !stop) {
+      end_epoch(step_, /*epoch_end=*/false);
+    }
+    if (eval_every > 0) last_eval_step = step_;
     if (stop) {
       save_checkpoint("interrupted");
       say(format("interrupted at step %ld: continue with  fusetrain train --resume %s",
@@ -1118,11 +1151,12 @@ void check_before_start(const Config& config, int world_size, int local_world_si
   }
   const std::string& model = config.get_string("model.name");
   const std::string& data = config.get_string("data.name");
-  const bool tokens = data == "text" || data == "synthetic_tokens";
+  const bool tokens = data == "text" || data == "tokens" || data == "synthetic_tokens" ||
+                      (data == "synthetic" && model == "gpt");
   if ((model == "gpt") != tokens) {
     throw config.error("model.name", model == "gpt"
-                                         ? "gpt trains on tokens: set data.name=text or synthetic_tokens"
-                                         : model + " trains on images: set data.name=fashion_mnist or synthetic_images");
+                                         ? "gpt trains on tokens: set data.name=tokens, text or synthetic"
+                                         : model + " trains on images or feature vectors: set data.name=fashion_mnist, tensors or synthetic");
   }
   check_data_available(config);
 }
