@@ -465,6 +465,9 @@ TensorDict Trainer::snapshot() {
                  scalar(skipped_before_ + static_cast<int64_t>(skipped_.item<float>())));
   d.emplace_back("data.mean", scalar(data_.mean));
   d.emplace_back("data.std", scalar(data_.std));
+  // What load_checkpoint.py needs to rebuild a model on the user's data.
+  d.emplace_back("data.input_shape", at::tensor(data_.input_shape, at::kLong));
+  d.emplace_back("data.num_classes", at::scalar_tensor(data_.num_classes, at::kLong));
   d.emplace_back("rng.seed", scalar(config_.get_int("train.seed")));
   d.emplace_back("rng.cpu_state", at::detail::getDefaultCPUGenerator().get_state());
   for (const auto& p : model_->named_parameters()) d.emplace_back("model." + p.key(), p.value());

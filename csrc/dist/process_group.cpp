@@ -213,6 +213,30 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const Environment& env
   TORCH_CHECK(backend != "nccl" || nccl_available(),
               "init_process_group: NCCL needs a CUDA build of fusetrain");
 
+  // gloo's devices first: a bad GLOO_SOCKET_IFNAME fails every rank on its
+  // own, before a rank that has already left could strand the others in
+  // the rendezvous. Not ProcessGroupGloo::createDefaultDevice(): it binds
+  // the address the hostname resolves to, a loopback one on many hosts
+  // (Debian maps the name to 127.0.1.1), which peers on other hosts cannot
+  // reach.
+  std::optional<GlooTransport> transport;
+  auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
+  if (backend == "gloo") {
+    transport = gloo_transport_for(env.master_addr, env.master_port);
+    try {
+      for (const auto& name : transport->interfaces) {
+        gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(name));
+      }
+      if (transport->interfaces.empty()) {
+        gloo_options->devices.push_back(
+            c10d::ProcessGroupGloo::createDeviceForHostname(transport->address));
+      }
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "rank ", env.rank, ": gloo cannot use ", transport->describe(), ": ",
+                  e.what());
+    }
+  }
+
   c10d::TCPStoreOptions store_options;
   store_options.port = static_cast<std::uint16_t>(env.master_port);
   store_options.isServer = env.rank == 0 && !env.agent_store;
@@ -237,23 +261,6 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const Environment& env
   }
   auto group = c10::make_intrusive<c10d::ProcessGroup>(store, env.rank, env.world_size);
   if (backend == "gloo") {
-    // Not ProcessGroupGloo::createDefaultDevice(): it binds the address the
-    // hostname resolves to, a loopback one on many hosts (Debian maps the
-    // name to 127.0.1.1), which peers on other hosts cannot reach.
-    const GlooTransport transport = gloo_transport_for(env.master_addr, env.master_port);
-    auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
-    try {
-      for (const auto& name : transport.interfaces) {
-        gloo_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(name));
-      }
-      if (transport.interfaces.empty()) {
-        gloo_options->devices.push_back(
-            c10d::ProcessGroupGloo::createDeviceForHostname(transport.address));
-      }
-    } catch (const std::exception& e) {
-      TORCH_CHECK(false, "rank ", env.rank, ": gloo cannot use ", transport.describe(), ": ",
-                  e.what());
-    }
     c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
     try {
       gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(
@@ -261,7 +268,7 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const Environment& env
           gloo_options);
     } catch (const std::exception& e) {
       TORCH_CHECK(false, "rank ", env.rank, " could not connect to its peers over gloo from ",
-                  transport.describe(), "; set GLOO_SOCKET_IFNAME to the interface that reaches "
+                  transport->describe(), "; set GLOO_SOCKET_IFNAME to the interface that reaches "
                   "the other hosts: ", e.what());
     }
     group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);

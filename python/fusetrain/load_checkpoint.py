@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
@@ -256,21 +256,27 @@ def _as_list(v) -> List[int]:
     return [int(x) for x in (v if isinstance(v, list) else [v])]
 
 
-def build_model(config) -> nn.Module:
+def build_model(config, input_shape: Optional[List[int]] = None,
+                classes: Optional[int] = None) -> nn.Module:
     """An untrained ``mlp``, ``cnn``, ``resnet`` or ``gpt`` as the run
-    configuration describes it (parameter names as the C++ models')."""
+    configuration describes it (parameter names as the C++ models').
+    ``input_shape`` (per sample) and ``classes`` (or the vocabulary) come
+    from the checkpoint where the config alone does not fix them (the user's
+    data files)."""
     model = config["model"]
     if model["name"] == "gpt":
-        return Gpt(256, int(model["d_model"]), int(model["n_head"]), int(model["n_layer"]), int(model["seq_len"]),
-                   float(model["dropout"]))
-    classes = 10 if config["data"]["name"] == "fashion_mnist" else int(config["data"]["num_classes"])
+        return Gpt(classes or 256, int(model["d_model"]), int(model["n_head"]), int(model["n_layer"]),
+                   int(model["seq_len"]), float(model["dropout"]))
+    if classes is None:
+        classes = 10 if config["data"]["name"] == "fashion_mnist" else int(config["data"]["num_classes"]) or 10
+    shape = input_shape or _input_shape(config)
     if model["name"] == "mlp":
-        return Mlp(_input_shape(config), _as_list(model["hidden"]), float(model["dropout"]), classes)
+        return Mlp(shape, _as_list(model["hidden"]), float(model["dropout"]), classes)
     if model["name"] == "cnn":
-        return Cnn(_input_shape(config), _as_list(model["channels"]), _as_list(model["hidden"]),
+        return Cnn(shape, _as_list(model["channels"]), _as_list(model["hidden"]),
                    float(model["dropout"]), classes)
     if model["name"] == "resnet":
-        return ResNet(_input_shape(config), int(model["depth"]), int(model["width"]), classes)
+        return ResNet(shape, int(model["depth"]), int(model["width"]), classes)
     raise NotImplementedError(f"load_model does not know the model {model['name']!r}")
 
 
@@ -281,7 +287,9 @@ def load_model(path: str) -> nn.Module:
     ``input_mean`` and ``input_std`` attributes hold that normalisation."""
     ckpt = load_checkpoint(path)
     config = checkpoint_config(ckpt)
-    model = build_model(config)
+    shape = ckpt["data.input_shape"].tolist() if "data.input_shape" in ckpt else None
+    classes = int(ckpt["data.num_classes"]) if "data.num_classes" in ckpt else None
+    model = build_model(config, shape, classes)
     state = {k[len("model."):]: v for k, v in ckpt.items() if k.startswith("model.")}
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
