@@ -94,7 +94,9 @@ std::string tensor_text(const at::Tensor& t) {
                      static_cast<size_t>(c.numel()));
 }
 
-void write_checkpoint(const std::string& path, const TensorDict& entries) {
+namespace {
+
+void write_dict(const std::string& path, const TensorDict& entries, bool with_checksum) {
   TensorDict cpu;
   cpu.reserve(entries.size() + 1);
   for (const auto& [key, t] : entries) {
@@ -103,8 +105,10 @@ void write_checkpoint(const std::string& path, const TensorDict& entries) {
     cpu.emplace_back(key, t.detach().to(at::kCPU, /*non_blocking=*/false, /*copy=*/true)
                               .contiguous());
   }
-  const uint32_t crc = checksum(cpu);
-  cpu.emplace_back(kChecksumKey, at::scalar_tensor(static_cast<int64_t>(crc), at::kLong));
+  if (with_checksum) {
+    const uint32_t crc = checksum(cpu);
+    cpu.emplace_back(kChecksumKey, at::scalar_tensor(static_cast<int64_t>(crc), at::kLong));
+  }
 
   c10::Dict<std::string, at::Tensor> dict;
   for (const auto& [key, t] : cpu) dict.insert(key, t);
@@ -149,6 +153,16 @@ void write_checkpoint(const std::string& path, const TensorDict& entries) {
   }
   // The rename itself is durable only once the directory is.
   fsync_path(parent_dir(path), O_RDONLY | O_DIRECTORY);
+}
+
+}  // namespace
+
+void write_checkpoint(const std::string& path, const TensorDict& entries) {
+  write_dict(path, entries, /*with_checksum=*/true);
+}
+
+void write_tensor_dict(const std::string& path, const TensorDict& entries) {
+  write_dict(path, entries, /*with_checksum=*/false);
 }
 
 TensorDict read_checkpoint(const std::string& path) {

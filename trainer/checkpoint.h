@@ -28,6 +28,10 @@ using TensorDict = std::vector<std::pair<std::string, at::Tensor>>;
 /// new one, never a torn one. I/O failures raise std::runtime_error.
 void write_checkpoint(const std::string& path, const TensorDict& entries);
 
+/// The same without the checksum entry: a plain dict of tensors that
+/// torch.load reads and Module.load_state_dict accepts (exports).
+void write_tensor_dict(const std::string& path, const TensorDict& entries);
+
 /// Reads a file written by write_checkpoint and verifies its checksum.
 /// Throws CheckpointError naming the path and the problem.
 TensorDict read_checkpoint(const std::string& path);

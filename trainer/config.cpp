@@ -166,7 +166,12 @@ std::vector<std::string> split_list(const std::string& text) {
 const std::vector<KeySpec>& config_schema() {
   using K = KeyType;
   static const std::vector<KeySpec> schema = {
-      key("model.name", K::kString, "cnn", "architecture", {"mlp", "cnn", "resnet", "gpt"}),
+      key("model.name", K::kString, "cnn",
+          "architecture (torchscript: the module in model.path)",
+          {"mlp", "cnn", "resnet", "gpt", "torchscript"}),
+      key("model.path", K::kString, "",
+          "torchscript: a module saved with torch.jit.save(torch.jit.script(m) or trace); its "
+          "forward takes a batch of inputs and returns logits"),
       key("model.channels", K::kIntList, "16,32",
           "cnn: output channels of each block (3x3 conv, batch norm, ReLU, 2x2 max pool)", {}, 1,
           4096),

@@ -167,7 +167,10 @@ Split classification_split(const std::string& path, const std::string& key, cons
                      "; they must be uint8 (scaled to [0, 1]) or floating point");
   }
   x = x.sub_(config.get_float("data.mean")).div_(config.get_float("data.std"));
-  if (x.dim() == 3) x = x.unsqueeze(1);  // [N, H, W] images: one channel
+  // [N, H, W] images are one channel for the built-in convolutional models;
+  // a TorchScript module gets the inputs as stored.
+  const std::string& model = config.get_string("model.name");
+  if (x.dim() == 3 && (model == "cnn" || model == "resnet")) x = x.unsqueeze(1);
   y = y.to(at::kLong);
   const at::Tensor negative = (y < 0).nonzero();
   if (negative.numel() > 0) {

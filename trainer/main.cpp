@@ -10,6 +10,7 @@
 #include "checkpoint.h"
 #include "config.h"
 #include "launch.h"
+#include "torchscript_model.h"
 #include "train.h"
 
 #include <ATen/Parallel.h>
@@ -125,6 +126,8 @@ void print_usage() {
                "Commands:\n"
                "  train   train a model: fusetrain train --config configs/fashion_mnist.yaml\n"
                "  eval    evaluate a checkpoint: fusetrain eval --checkpoint PATH\n"
+               "  export  a checkpoint's model for Python: fusetrain export --checkpoint PATH "
+               "--state-dict OUT.pt\n"
                "  info    versions, devices, threads\n\n"
                "fusetrain COMMAND --help shows the command's options.\n"
                "Exit codes: 0 done, 1 failed while running, 2 usage/config/input error, "
@@ -279,6 +282,57 @@ int run_train(int argc, char** argv) {
   return ft::spawn_local_ranks(child, spec);
 }
 
+int run_export(int argc, char** argv) {
+  cxxopts::Options options("fusetrain export",
+                           "Write a checkpoint's trained model for Python: a state dict "
+                           "(Module.load_state_dict) or, for model.name=torchscript, a "
+                           "TorchScript file (torch.jit.load).");
+  options.add_options()
+      ("checkpoint", "checkpoint written by fusetrain train", cxxopts::value<std::string>())
+      ("state-dict", "write the model's parameters and buffers, by their names, to this file",
+       cxxopts::value<std::string>())
+      ("torchscript", "write the trained TorchScript module to this file (model.name=torchscript)",
+       cxxopts::value<std::string>())
+      ("h,help", "show this help");
+  const auto args = options.parse(argc, argv);
+  if (args.count("help")) {
+    std::cout << options.help();
+    return 0;
+  }
+  if (!args.unmatched().empty()) {
+    throw ft::UsageError("unexpected argument \"" + args.unmatched().front() + "\"");
+  }
+  if (!args.count("checkpoint")) throw ft::UsageError("export needs --checkpoint PATH");
+  if (!args.count("state-dict") && !args.count("torchscript")) {
+    throw ft::UsageError("export needs --state-dict OUT.pt or --torchscript OUT.pt");
+  }
+  const std::string checkpoint = args["checkpoint"].as<std::string>();
+  if (!exists(checkpoint)) throw ft::UsageError("--checkpoint " + checkpoint + ": no such file");
+  const ft::TensorDict ckpt = ft::read_checkpoint(checkpoint);
+  const ft::Config config = ft::config_from_checkpoint(checkpoint);
+  if (args.count("state-dict")) {
+    ft::TensorDict state;
+    for (const auto& [key, t] : ckpt) {
+      if (key.rfind("model.", 0) == 0) state.emplace_back(key.substr(6), t);
+    }
+    const std::string out = args["state-dict"].as<std::string>();
+    ft::write_tensor_dict(out, state);
+    std::cout << "state dict of " << state.size() << " tensors -> " << out << "\n";
+  }
+  if (args.count("torchscript")) {
+    if (config.get_string("model.name") != "torchscript") {
+      throw ft::UsageError("--torchscript exports a model.name=torchscript run; this checkpoint's "
+                           "model is " + config.get_string("model.name") +
+                           " (export its weights with --state-dict)");
+    }
+    const std::string out = args["torchscript"].as<std::string>();
+    ft::export_torchscript(checkpoint, config.get_string("model.path"), out);
+    std::cout << "TorchScript module (" << config.get_string("model.path") << ", trained) -> "
+              << out << "\n";
+  }
+  return 0;
+}
+
 int run_eval_command(int argc, char** argv) {
   cxxopts::Options options("fusetrain eval", "Evaluate a checkpoint on its test split.");
   options.add_options()
@@ -328,6 +382,7 @@ int main(int argc, char** argv) {
     if (command == "info") return run_info();
     if (command == "train") return run_train(argc - 1, argv + 1);
     if (command == "eval") return run_eval_command(argc - 1, argv + 1);
+    if (command == "export") return run_export(argc - 1, argv + 1);
     std::cerr << "fusetrain: unknown command \"" << command << "\"; run fusetrain --help\n";
     return kUsageError;
   } catch (const cxxopts::exceptions::exception& e) {

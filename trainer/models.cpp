@@ -1,6 +1,8 @@
 // Model definitions: mlp, cnn, CIFAR-style ResNet-18/50 and a byte-level GPT.
 #include "models.h"
 
+#include "torchscript_model.h"
+
 #include <torch/nn.h>
 
 #include <cmath>
@@ -292,6 +294,7 @@ class GptImpl : public ModelImpl {
 
 Model make_model(const Config& config, const Dataset& data) {
   const std::string& name = config.get_string("model.name");
+  if (name == "torchscript") return load_torchscript_model(config, data);
   if (name == "gpt" && !data.is_tokens) {
     throw config.error("model.name", "gpt needs token data (data.name=tokens, text or synthetic)");
   }
@@ -314,7 +317,7 @@ Model make_model(const Config& config, const Dataset& data) {
 void cast_for_master_weights(const Model& model, at::ScalarType dtype) {
   for (const auto& m : model->modules(/*include_self=*/false)) {
     if (dynamic_cast<nn::Conv2dImpl*>(m.get()) || dynamic_cast<nn::LinearImpl*>(m.get()) ||
-        dynamic_cast<nn::EmbeddingImpl*>(m.get())) {
+        dynamic_cast<nn::EmbeddingImpl*>(m.get()) || is_torchscript_weight_layer(*m)) {
       m->to(dtype);
     }
   }

@@ -1156,7 +1156,11 @@ void check_before_start(const Config& config, int world_size, int local_world_si
   const std::string& data = config.get_string("data.name");
   const bool tokens = data == "text" || data == "tokens" || data == "synthetic_tokens" ||
                       (data == "synthetic" && model == "gpt");
-  if ((model == "gpt") != tokens) {
+  if (model == "torchscript") {
+    const std::string& path = config.get_string("model.path");
+    if (path.empty()) throw config.error("model.path", "model.name=torchscript needs the module's file");
+    if (!is_file(path)) throw config.error("model.path", "no such file");
+  } else if ((model == "gpt") != tokens) {
     throw config.error("model.name", model == "gpt"
                                          ? "gpt trains on tokens: set data.name=tokens, text or synthetic"
                                          : model + " trains on images or feature vectors: set data.name=fashion_mnist, tensors or synthetic");

@@ -1,0 +1,260 @@
+"""`fusetrain train` on the user's own model (issue 13): a module scripted
+in Python (torch.jit.script, torch.jit.save), model.name=torchscript, trained
+by the C++ trainer, and `fusetrain export` back to Python.
+
+The reference is the same training in Python: full-batch steps (so the data
+order cannot matter), torch.optim.AdamW at a constant learning rate, the
+same initial module; the trainer's per-step losses must follow Python's
+within float32 rounding (the rows of a batch are summed in another order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(os.environ.get("FUSETRAIN_BUILD_DIR", ROOT / "build")) / "fusetrain"
+TINY = ROOT / "configs" / "tiny.yaml"
+USAGE = 2
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+pytestmark = pytest.mark.skipif(not BIN.exists(), reason=f"{BIN} is missing: build it first (make build)")
+
+# Modules are scripted from a file: torch.jit.script needs their source.
+MODELS_SRC = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+    class SmallCnn(nn.Module):
+        def __init__(self, classes: int = 3):
+            super().__init__()
+            self.conv = nn.Conv2d(1, 4, 3, padding=1, bias=False)  # BN follows: a bias would get only rounding noise as gradient
+            self.bn = nn.BatchNorm2d(4)
+            self.head = nn.Sequential(nn.Flatten(), nn.Linear(4 * 8 * 8, classes))
+
+        def forward(self, x):
+            return self.head(torch.relu(self.bn(self.conv(x))))
+
+    class SmallTransformer(nn.Module):
+        """Sequence classifier: [N, T, F] features -> [N, classes]."""
+        def __init__(self, features: int = 6, classes: int = 3):
+            super().__init__()
+            self.proj = nn.Linear(features, 16)
+            self.pos = nn.Parameter(torch.randn(10, 16) * 0.1)
+            self.block = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+            self.norm = nn.LayerNorm(16)
+            self.head = nn.Linear(16, classes)
+
+        def forward(self, x):
+            h = self.proj(x) + self.pos[: x.size(1)]
+            return self.head(self.norm(self.block(h)).mean(1))
+
+    class ReturnsTuple(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 3)
+
+        def forward(self, x):
+            y = self.fc(x.flatten(1))
+            return y, y
+
+    class WrongClasses(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(64, 5)
+
+        def forward(self, x):
+            return self.fc(x.flatten(1))
+
+    class WantsVectors(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(10, 3)
+
+        def forward(self, x):
+            return self.fc(x)
+''')
+
+STEPS = 8
+LR = 0.01
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("models")
+    (d / "user_models.py").write_text(MODELS_SRC)
+    sys.path.insert(0, str(d))
+    try:
+        import user_models
+    finally:
+        sys.path.remove(str(d))
+    return user_models, d
+
+
+def run(*args) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run([str(BIN), *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def ok(p):
+    assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}"
+    return p
+
+
+def data_files(tmp_path: Path, shape, n=96, n_val=48, classes=3):
+    g = torch.Generator().manual_seed(0)
+    files = []
+    for name, count in (("train", n), ("val", n_val)):
+        y = torch.randint(0, classes, (count,), generator=g)
+        x = torch.randn(count, *shape, generator=g) + y.view(-1, *([1] * len(shape))).float()
+        path = tmp_path / f"{name}.safetensors"
+        safetensors_torch.save_file({"inputs": x.contiguous(), "labels": y}, str(path))
+        files.append((path, x, y))
+    return files
+
+
+def full_batch_args(run_dir, model_path, train, val, n, *extra):
+    return ("train", "--config", TINY, "--run-dir", run_dir, "--set", "data.name=tensors",
+            "--set", f"data.path={train}", "--set", f"data.val_path={val}",
+            "--set", "model.name=torchscript", "--set", f"model.path={model_path}",
+            "--set", f"data.batch_size={n}", "--set", "data.eval_batch_size=64",
+            "--set", f"train.max_steps={STEPS}", "--set", "train.log_every=1",
+            "--set", f"optimizer.lr={LR}", "--set", "optimizer.weight_decay=0",
+            "--set", "schedule.warmup_steps=0", "--set", "schedule.decay=none",
+            "--set", "output.checkpoint_every=4", *extra)
+
+
+def python_losses(module: nn.Module, x, y):
+    opt = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.0, eps=1e-8)
+    losses = []
+    for _ in range(STEPS):
+        loss = nn.functional.cross_entropy(module(x), y)
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return losses
+
+
+def trainer_losses(run_dir: Path):
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r["kind"] == "train"]
+
+
+@pytest.mark.parametrize("arch,shape", [("SmallCnn", (1, 8, 8)), ("SmallTransformer", (10, 6))])
+def test_scripted_model_trains_as_in_python(tmp_path, models, arch, shape):
+    user_models, _ = models
+    (train, x, y), (val, val_x, _) = data_files(tmp_path, shape)
+    torch.manual_seed(0)
+    eager = getattr(user_models, arch)()
+    path = tmp_path / "model.pt"
+    torch.jit.script(eager).save(str(path))
+    reference = python_losses(eager, x, y)  # the same initial weights as the file
+    run_dir = tmp_path / "run"
+    ok(run(*full_batch_args(run_dir, path, train, val, len(y))))
+    losses = trainer_losses(run_dir)
+    assert len(losses) == STEPS
+    # float32 CE of 96 rows summed in another order, then AdamW's sqrt and
+    # division: a few ulps a step, far below the 1e-4 the loss moves by.
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=2e-5, atol=2e-6)
+    assert reference[-1] < reference[0] - 1e-3  # it did learn
+
+    # Export: the TorchScript file and the state dict both hold the trained model.
+    ckpt = sorted((run_dir / "checkpoints").glob("step_*.pt"))[-1]
+    ok(run("export", "--checkpoint", ckpt, "--torchscript", tmp_path / "trained.pt",
+           "--state-dict", tmp_path / "state.pt"))
+    trained = torch.jit.load(str(tmp_path / "trained.pt"))
+    fresh = getattr(user_models, arch)()
+    fresh.load_state_dict(torch.load(tmp_path / "state.pt"))  # strict: every key, no extra
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, trained.state_dict()[k]), k
+    # Trained as Python trains: the same function (parameters the loss does
+    # not depend on, as attention's key bias, drift apart on rounding noise
+    # that AdamW scales up, so the outputs are compared, not those).
+    xv = val_x.contiguous()
+    eager.eval()
+    fresh.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(xv), eager(xv), rtol=1e-3, atol=1e-4)
+
+
+def test_resume_is_exact_and_two_ranks_agree(tmp_path, models):
+    user_models, _ = models
+    (train, x, y), (val, _, _) = data_files(tmp_path, (1, 8, 8))
+    torch.manual_seed(0)
+    path = tmp_path / "model.pt"
+    torch.jit.script(user_models.SmallCnn()).save(str(path))
+    full, resumed, two = tmp_path / "full", tmp_path / "resumed", tmp_path / "two"
+    ok(run(*full_batch_args(full, path, train, val, len(y))))
+    ok(run(*full_batch_args(resumed, path, train, val, len(y), "--set", "train.max_steps=4")))
+    ok(run(*full_batch_args(resumed, path, train, val, len(y), "--resume",
+                            resumed / "checkpoints" / "step_00000004.pt")))
+    a = torch.load(sorted((full / "checkpoints").glob("*.pt"))[-1])
+    b = torch.load(sorted((resumed / "checkpoints").glob("*.pt"))[-1])
+    model_keys = [k for k in a if k.startswith(("model.", "optim."))]
+    assert model_keys and all(torch.equal(a[k], b[k]) for k in model_keys)
+    # Two ranks (DDP) on the same global batch: a model without batch norm
+    # (whose statistics would be per rank) follows the one-rank losses.
+    (train, x, y), (val, _, _) = data_files(tmp_path, (10, 6))
+    torch.manual_seed(0)
+    torch.jit.script(user_models.SmallTransformer()).save(str(path))
+    one = tmp_path / "one"
+    ok(run(*full_batch_args(one, path, train, val, len(y))))
+    ok(run(*full_batch_args(two, path, train, val, len(y), "--nproc", "2")))
+    torch.testing.assert_close(torch.tensor(trainer_losses(two)), torch.tensor(trainer_losses(one)),
+                               rtol=2e-5, atol=2e-6)
+
+
+def test_master_weights_keep_layers_in_16_bits(tmp_path, models):
+    user_models, _ = models
+    (train, x, y), (val, _, _) = data_files(tmp_path, (1, 8, 8))
+    path = tmp_path / "model.pt"
+    torch.jit.script(user_models.SmallCnn()).save(str(path))
+    run_dir = tmp_path / "run"
+    ok(run(*full_batch_args(run_dir, path, train, val, len(y), "--precision", "mixed_bfloat16",
+                            "--set", "precision.master_weights=true")))
+    state = torch.load(sorted((run_dir / "checkpoints").glob("*.pt"))[-1])
+    assert state["model.conv.weight"].dtype == torch.bfloat16
+    assert state["model.head.1.weight"].dtype == torch.bfloat16
+    assert state["model.bn.weight"].dtype == torch.float32  # normalisation stays float32
+    assert all(torch.isfinite(torch.tensor(trainer_losses(run_dir))))
+
+
+@pytest.mark.parametrize("arch,needle", [
+    ("ReturnsTuple", "returned a Tuple"),
+    ("WrongClasses", "returned [2, 5] Float; the trainer needs floating-point logits of shape [2, 3]"),
+    ("WantsVectors", "raised"),
+])
+def test_bad_modules_fail_before_training(tmp_path, models, arch, needle):
+    user_models, _ = models
+    (train, x, y), (val, _, _) = data_files(tmp_path, (1, 8, 8))
+    path = tmp_path / f"{arch}.pt"
+    torch.jit.script(getattr(user_models, arch)()).save(str(path))
+    run_dir = tmp_path / "run"
+    p = run(*full_batch_args(run_dir, path, train, val, len(y)))
+    assert p.returncode == USAGE, p.stderr
+    assert "model.path" in p.stderr and path.name in p.stderr and needle in p.stderr, p.stderr
+    assert not run_dir.exists()
+
+
+def test_missing_or_foreign_model_files(tmp_path):
+    (train, x, y), (val, _, _) = data_files(tmp_path, (1, 8, 8))
+    not_script = tmp_path / "weights.pt"
+    torch.save({"w": torch.ones(2)}, not_script)
+    for path, needle in ((tmp_path / "nope.pt", "no such file"),
+                         (not_script, "is not a TorchScript module")):
+        p = run(*full_batch_args(tmp_path / "run", path, train, val, len(y)))
+        assert p.returncode == USAGE and "model.path" in p.stderr and needle in p.stderr, p.stderr
+    p = run("export", "--checkpoint", tmp_path / "none.pt", "--state-dict", tmp_path / "o.pt")
+    assert p.returncode == USAGE and "no such file" in p.stderr
