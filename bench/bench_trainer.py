@@ -93,7 +93,17 @@ def trainer_rate(policy: str, steps: int, samples: int, threads: int, window: in
     return statistics.median(rates)
 
 
-def python_rate(policy: str, steps: int, x: torch.Tensor, y: torch.Tensor, window: int) -> float:
+def scripted_cnn(path: Path) -> Path:
+    """The built-in CNN's architecture as a TorchScript file (model.name=torchscript)."""
+    from fusetrain.load_checkpoint import Cnn
+
+    torch.manual_seed(0)
+    torch.jit.script(Cnn([1, 28, 28], [16, 32], [128], 0.0, 10)).save(str(path))
+    return path
+
+
+def python_rate(policy: str, steps: int, x: torch.Tensor, y: torch.Tensor, window: int,
+                float32_head: bool = True) -> float:
     """The trainer's step in Python with the same fusetrain components."""
     import fusetrain.amp
     import fusetrain.optim
@@ -101,7 +111,8 @@ def python_rate(policy: str, steps: int, x: torch.Tensor, y: torch.Tensor, windo
 
     torch.manual_seed(0)
     model = Cnn([1, 28, 28], [16, 32], [128], 0.0, 10)
-    fusetrain.amp.keep_float32(model.head)
+    if float32_head:
+        fusetrain.amp.keep_float32(model.head)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = fusetrain.optim.FusedAdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
@@ -155,6 +166,24 @@ def throughput_rows(ctx: Context) -> list:
                 notes=(f"Fashion-MNIST cnn 16/32/128, batch {BATCH}, {ctx.threads} thread(s), {steps} steps, "
                        f"median of {window}-step windows; 'torch' = the same step in Python with "
                        f"fusetrain.optim.FusedAdamW + fusetrain.amp"),
+                trainer_runs=ours, python_runs=theirs))
+        # The user's own model (issue 13): the same CNN scripted in Python,
+        # trained by the CLI, against the eager module in the same Python loop.
+        module = scripted_cnn(Path(tmp) / "cnn.pt")
+        script = ["--set", "model.name=torchscript", "--set", f"model.path={module}"]
+        for policy in policies:
+            ours, theirs = [], []
+            for _ in range(repeats):
+                ours.append(trainer_rate(policy, steps, samples, ctx.threads, window, Path(tmp), script))
+                theirs.append(python_rate(policy, steps, x, y, window, float32_head=False))
+            rows.append(result(
+                f"trainer vs Python loop, TorchScript cnn {policy}",
+                ours=statistics.median(ours), torch_=statistics.median(theirs), unit="samples/s",
+                higher_is_better=True, goal=SPEED_GOAL,
+                notes=(f"the cnn 16/32/128 scripted (torch.jit.script) and trained with "
+                       f"model.name=torchscript, batch {BATCH}, {ctx.threads} thread(s), {steps} steps; "
+                       f"'torch' = the eager module in the same Python loop (no float32 head on "
+                       f"either side)"),
                 trainer_runs=ours, python_runs=theirs))
     return rows
 
