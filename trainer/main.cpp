@@ -26,6 +26,7 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -282,6 +283,20 @@ int run_train(int argc, char** argv) {
   return ft::spawn_local_ranks(child, spec);
 }
 
+/// The command's arguments; nullopt after printing --help. Positional
+/// leftovers are a usage error.
+std::optional<cxxopts::ParseResult> parse_command(cxxopts::Options& options, int argc, char** argv) {
+  auto args = options.parse(argc, argv);
+  if (args.count("help")) {
+    std::cout << options.help();
+    return std::nullopt;
+  }
+  if (!args.unmatched().empty()) {
+    throw ft::UsageError("unexpected argument \"" + args.unmatched().front() + "\"");
+  }
+  return args;
+}
+
 int run_export(int argc, char** argv) {
   cxxopts::Options options("fusetrain export",
                            "Write a checkpoint's trained model for Python: a state dict "
@@ -294,14 +309,9 @@ int run_export(int argc, char** argv) {
       ("torchscript", "write the trained TorchScript module to this file (model.name=torchscript)",
        cxxopts::value<std::string>())
       ("h,help", "show this help");
-  const auto args = options.parse(argc, argv);
-  if (args.count("help")) {
-    std::cout << options.help();
-    return 0;
-  }
-  if (!args.unmatched().empty()) {
-    throw ft::UsageError("unexpected argument \"" + args.unmatched().front() + "\"");
-  }
+  const auto parsed = parse_command(options, argc, argv);
+  if (!parsed) return 0;  // --help
+  const auto& args = *parsed;
   if (!args.count("checkpoint")) throw ft::UsageError("export needs --checkpoint PATH");
   if (!args.count("state-dict") && !args.count("torchscript")) {
     throw ft::UsageError("export needs --state-dict OUT.pt or --torchscript OUT.pt");
@@ -344,14 +354,9 @@ int run_eval_command(int argc, char** argv) {
       ("predictions", "also write the logits and targets to this file (torch.load reads it)",
        cxxopts::value<std::string>())
       ("h,help", "show this help");
-  const auto args = options.parse(argc, argv);
-  if (args.count("help")) {
-    std::cout << options.help();
-    return 0;
-  }
-  if (!args.unmatched().empty()) {
-    throw ft::UsageError("unexpected argument \"" + args.unmatched().front() + "\"");
-  }
+  const auto parsed = parse_command(options, argc, argv);
+  if (!parsed) return 0;  // --help
+  const auto& args = *parsed;
   if (!args.count("checkpoint")) throw ft::UsageError("eval needs --checkpoint PATH");
   std::vector<std::string> overrides;
   if (args.count("device")) overrides.push_back("runtime.device=" + args["device"].as<std::string>());
