@@ -24,6 +24,8 @@
 #include "checkpoint.h"
 #include "data.h"
 #include "models.h"
+#include "metrics.h"
+#include "progress.h"
 
 #include <fusetrain/amp/grad_scaler.h>
 #include <fusetrain/amp/policy.h>
@@ -36,15 +38,12 @@
 #include <ATen/Parallel.h>
 #include <torch/cuda.h>
 
-#include <dirent.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cerrno>
-#include <cstdarg>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
@@ -59,104 +58,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr int64_t kFormatVersion = 1;
-constexpr double kBarRefreshSeconds = 0.1;
 
 // ------------------------------------------------------------------ helpers
-
-std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
-std::string format(const char* fmt, ...) {
-  char buf[512];
-  va_list args;
-  va_start(args, fmt);
-  std::vsnprintf(buf, sizeof(buf), fmt, args);
-  va_end(args);
-  return buf;
-}
-
-std::string duration_text(double s) {
-  if (s < 60) return format("%.1fs", s);
-  const auto total = static_cast<int64_t>(s);
-  if (total < 3600) return format("%ldm%02lds", static_cast<long>(total / 60), static_cast<long>(total % 60));
-  return format("%ldh%02ldm", static_cast<long>(total / 3600), static_cast<long>(total % 3600 / 60));
-}
-
-std::string json_number(double v) { return std::isfinite(v) ? format("%.6g", v) : "null"; }
-
-bool is_dir(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-}
-
-bool is_file(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-}
-
-void make_dirs(const std::string& path) {
-  std::string partial;
-  std::stringstream ss(path);
-  std::string part;
-  if (!path.empty() && path[0] == '/') partial = "/";
-  while (std::getline(ss, part, '/')) {
-    if (part.empty()) continue;
-    partial += part + "/";
-    if (::mkdir(partial.c_str(), 0755) != 0 && errno != EEXIST) {
-      throw std::runtime_error("cannot create directory " + partial + ": " + std::strerror(errno));
-    }
-  }
-}
-
-std::vector<std::string> list_dir(const std::string& path) {
-  std::vector<std::string> out;
-  DIR* d = ::opendir(path.c_str());
-  if (d == nullptr) return out;
-  while (const dirent* e = ::readdir(d)) {
-    const std::string name = e->d_name;
-    if (name != "." && name != "..") out.push_back(name);
-  }
-  ::closedir(d);
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-std::string parent_of(const std::string& path) {
-  const auto slash = path.find_last_of('/');
-  if (slash == std::string::npos) return ".";
-  return slash == 0 ? "/" : path.substr(0, slash);
-}
-
-std::string base_of(const std::string& path) { return path.substr(path.find_last_of('/') + 1); }
-
-std::string checkpoint_dir(const std::string& run_dir) { return run_dir + "/checkpoints"; }
-
-/// Checkpoints of a run directory, oldest step first.
-std::vector<std::pair<int64_t, std::string>> checkpoints_in(const std::string& run_dir) {
-  std::vector<std::pair<int64_t, std::string>> out;
-  for (const auto& name : list_dir(checkpoint_dir(run_dir))) {
-    // Exactly step_<digits>.pt: not a temporary file a killed writer left.
-    long long step = 0;
-    int used = 0;
-    if (std::sscanf(name.c_str(), "step_%lld%n", &step, &used) == 1 &&
-        name.compare(static_cast<size_t>(used), std::string::npos, ".pt") == 0) {
-      out.emplace_back(step, checkpoint_dir(run_dir) + "/" + name);
-    }
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
-void write_text_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp" + std::to_string(::getpid());
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << text;
-    out.flush();
-    if (!out.good()) throw std::runtime_error("cannot write " + tmp);
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    throw std::runtime_error("cannot rename " + tmp + " to " + path);
-  }
-}
 
 at::Tensor scalar(int64_t v) { return at::scalar_tensor(v, at::kLong); }
 at::Tensor scalar(double v) { return at::scalar_tensor(v, at::kDouble); }
@@ -221,68 +124,6 @@ EvalResult evaluate(ModelImpl& model, const Split& test, const Distributed& worl
   return r;
 }
 
-std::string newest_run_dir(const std::string& name) {
-  std::string best;
-  for (const auto& entry : list_dir("runs")) {
-    if (entry.rfind(name + "-", 0) == 0 && is_dir("runs/" + entry)) best = "runs/" + entry;
-  }
-  return best;
-}
-
-std::string new_run_dir(const std::string& name) {
-  const std::time_t now = std::time(nullptr);
-  std::tm tm {};
-  ::localtime_r(&now, &tm);
-  char stamp[32];
-  std::strftime(stamp, sizeof(stamp), "%Y%m%d-%H%M%S", &tm);
-  const std::string base = "runs/" + (name.empty() ? std::string("run") : name) + "-" + stamp;
-  std::string dir = base;
-  for (int i = 2; is_dir(dir); ++i) dir = base + "-" + std::to_string(i);
-  return dir;
-}
-
-// ------------------------------------------------------------------ progress
-
-/// Rank 0's display: a self-updating bar on a terminal, plain lines otherwise.
-class Progress {
- public:
-  explicit Progress(bool bar) : bar_(bar) {}
-  bool is_bar() const { return bar_; }
-
-  void bar(const std::string& text, bool force) {
-    if (!bar_) return;
-    const auto now = Clock::now();
-    if (!force && std::chrono::duration<double>(now - last_).count() < kBarRefreshSeconds) return;
-    last_ = now;
-    std::cout << "\r\033[K" << text << std::flush;
-    shown_ = true;
-  }
-
-  /// A permanent line (the bar, if shown, is erased first and redrawn later).
-  void line(const std::string& text) {
-    if (shown_) std::cout << "\r\033[K";
-    shown_ = false;
-    std::cout << text << "\n" << std::flush;
-  }
-
- private:
-  bool bar_;
-  bool shown_ = false;
-  Clock::time_point last_{};
-};
-
-std::string bar_text(int64_t epoch, int64_t epochs, int64_t done, int64_t total, double loss,
-                     double rate, double eta) {
-  constexpr int kWidth = 24;
-  const int filled = total ? static_cast<int>(kWidth * done / total) : kWidth;
-  std::string bar(static_cast<size_t>(filled), '#');
-  bar.resize(kWidth, '.');
-  return format("epoch %ld/%ld [%s] %ld/%ld  loss %.4f  %.0f samples/s  eta %s",
-                static_cast<long>(epoch), static_cast<long>(epochs), bar.c_str(),
-                static_cast<long>(done), static_cast<long>(total), loss, rate,
-                duration_text(eta).c_str());
-}
-
 // ------------------------------------------------------------------ trainer
 
 class Trainer {
@@ -319,9 +160,10 @@ class Trainer {
   void end_epoch(int64_t step, bool epoch_end = true);
   /// The record's validation keys: val_loss, then val_accuracy
   /// (classification) or val_bits_per_token (and val_bits_per_byte for bytes).
-  std::string validation_fields() const;
+  void add_validation(Record& record) const;
   void open_metrics();
-  void write_metrics(const std::string& json);
+  double elapsed_s() const;
+  void write_metrics(const Record& record);
   void say(const std::string& text) {
     if (rank0_) progress_->line(text);
   }
@@ -340,7 +182,7 @@ class Trainer {
   std::unique_ptr<ParallelModel> parallel_;
   std::unique_ptr<BatchSampler> sampler_;
   std::unique_ptr<Progress> progress_;
-  std::ofstream metrics_;
+  MetricsLog metrics_;
   // steps_per_execution > 1: K steps per execution, captured as a CUDA graph
   // on CUDA (graph_mode_), where the optimizer reads lr_device_.
   std::unique_ptr<graph::FusedSteps> fused_;
@@ -749,29 +591,15 @@ void Trainer::run_steps(int64_t first, int64_t n) {
 // ------------------------------------------------------------------ metrics
 
 void Trainer::open_metrics() {
-  if (!rank0_) return;
-  const std::string path = plan_.run_dir + "/metrics.jsonl";
-  // Resuming: drop the records past the checkpoint, which the resumed run
-  // writes again.
-  std::string kept;
-  if (start_step_ > 0 && is_file(path)) {
-    std::ifstream in(path);
-    std::string line;
-    while (std::getline(in, line)) {
-      long long s = -1;
-      const auto pos = line.find("\"step\":");
-      if (pos != std::string::npos) s = std::atoll(line.c_str() + pos + 7);
-      if (s >= 0 && s <= start_step_) kept += line + "\n";
-    }
-  }
-  write_text_atomically(path, kept);
-  metrics_.open(path, std::ios::app);
+  if (rank0_) metrics_.open(plan_.run_dir + "/metrics.jsonl", start_step_);
 }
 
-void Trainer::write_metrics(const std::string& json) {
-  if (!rank0_) return;
-  metrics_ << json << "\n";
-  metrics_.flush();
+void Trainer::write_metrics(const Record& record) {
+  if (rank0_) metrics_.write(record);
+}
+
+double Trainer::elapsed_s() const {
+  return std::chrono::duration<double>(Clock::now() - run_start_).count();
 }
 
 void Trainer::log_window(int64_t step) {
@@ -784,14 +612,9 @@ void Trainer::log_window(int64_t step) {
   const double scale = scaler_->get_scale();
   const int64_t skipped = skipped_before_ + static_cast<int64_t>(skipped_.item<float>());
   const int64_t epoch = (step - 1) / steps_per_epoch_ + 1;
-  write_metrics(format("{\"kind\": \"train\", \"step\": %ld, \"epoch\": %ld, \"loss\": %s, "
-                       "\"lr\": %s, \"scale\": %s, \"skipped\": %ld, \"samples_per_s\": %s, "
-                       "\"accuracy\": null, \"time_s\": %s}",
-                       static_cast<long>(step), static_cast<long>(epoch), json_number(loss).c_str(),
-                       json_number(lr).c_str(), json_number(scale).c_str(),
-                       static_cast<long>(skipped), json_number(rate).c_str(),
-                       json_number(std::chrono::duration<double>(Clock::now() - run_start_).count())
-                           .c_str()));
+  write_metrics(Record{{"kind", "train"}, {"step", step}, {"epoch", epoch}, {"loss", loss},
+                       {"lr", lr}, {"scale", scale}, {"skipped", skipped},
+                       {"samples_per_s", rate}, {"accuracy", nullptr}, {"time_s", elapsed_s()}});
   if (rank0_ && !progress_->is_bar()) {
     say(format("  step %ld/%ld  loss %.4f  lr %.3g  %.0f samples/s", static_cast<long>(step),
                static_cast<long>(total_steps_), loss, lr, rate));
@@ -801,13 +624,15 @@ void Trainer::log_window(int64_t step) {
   window_seconds_ = 0.0;
 }
 
-std::string Trainer::validation_fields() const {
-  std::string out = "\"val_loss\": " + json_number(last_eval_.loss) + ", ";
-  if (!data_.is_tokens) return out + "\"val_accuracy\": " + json_number(last_eval_.accuracy) + ", ";
+void Trainer::add_validation(Record& record) const {
+  record["val_loss"] = last_eval_.loss;
+  if (!data_.is_tokens) {
+    record["val_accuracy"] = last_eval_.accuracy;
+    return;
+  }
   const double bits = last_eval_.loss / std::log(2.0);
-  out += "\"val_bits_per_token\": " + json_number(bits) + ", ";
-  if (data_.byte_vocab) out += "\"val_bits_per_byte\": " + json_number(bits) + ", ";
-  return out;
+  record["val_bits_per_token"] = bits;
+  if (data_.byte_vocab) record["val_bits_per_byte"] = bits;
 }
 
 void Trainer::end_epoch(int64_t step, bool epoch_end) {
@@ -833,16 +658,12 @@ void Trainer::end_epoch(int64_t step, bool epoch_end) {
     say(format("  step %ld/%ld  validation loss %.4f  accuracy %.2f%%", static_cast<long>(step),
                static_cast<long>(total_steps_), last_eval_.loss, 100.0 * last_eval_.accuracy));
   }
-  write_metrics(format("{\"kind\": \"eval\", \"step\": %ld, \"epoch\": %ld, \"loss\": %s, "
-                       "\"lr\": %s, \"scale\": %s, \"skipped\": %ld, \"samples_per_s\": %s, "
-                       "\"accuracy\": %s, \"test_loss\": %s, %s\"time_s\": %s}",
-                       static_cast<long>(step), static_cast<long>(epoch), json_number(loss).c_str(),
-                       json_number(lr).c_str(), json_number(scale).c_str(),
-                       static_cast<long>(skipped), json_number(rate).c_str(),
-                       json_number(last_eval_.accuracy).c_str(),
-                       json_number(last_eval_.loss).c_str(), validation_fields().c_str(),
-                       json_number(std::chrono::duration<double>(Clock::now() - run_start_).count())
-                           .c_str()));
+  Record record{{"kind", "eval"}, {"step", step}, {"epoch", epoch}, {"loss", loss}, {"lr", lr},
+                {"scale", scale}, {"skipped", skipped}, {"samples_per_s", rate},
+                {"accuracy", last_eval_.accuracy}, {"test_loss", last_eval_.loss}};
+  add_validation(record);
+  record["time_s"] = elapsed_s();
+  write_metrics(record);
   if (!epoch_end) return;
   epoch_loss_.zero_();
   epoch_steps_ = 0;
@@ -973,147 +794,6 @@ int Trainer::run() {
 
 // ------------------------------------------------------------------ public
 
-RunPlan plan_run(Config& config, const std::string& resume) {
-  RunPlan plan;
-  std::string run_dir = config.get_string("output.run_dir");
-  if (resume == "auto") {
-    if (run_dir.empty()) run_dir = newest_run_dir(config.name().empty() ? "run" : config.name());
-    if (!run_dir.empty()) {
-      // The newest checkpoint that reads back whole (writes are atomic, but
-      // a file may have been copied in torn).
-      const auto found = checkpoints_in(run_dir);
-      for (auto it = found.rbegin(); it != found.rend() && plan.checkpoint.empty(); ++it) {
-        try {
-          read_checkpoint(it->second);
-          plan.checkpoint = it->second;
-        } catch (const CheckpointError& e) {
-          std::cerr << "fusetrain train: warning: skipping " << it->second << ": " << e.what()
-                    << "\n";
-        }
-      }
-    }
-  } else if (!resume.empty()) {
-    if (!is_file(resume)) {
-      throw UsageError("--resume " + resume + ": no such checkpoint file (--resume auto picks the "
-                       "newest checkpoint of the newest run)");
-    }
-    plan.checkpoint = resume;
-    if (run_dir.empty() && base_of(parent_of(resume)) == "checkpoints") {
-      run_dir = parent_of(parent_of(resume));
-    }
-  }
-  if (run_dir.empty()) run_dir = new_run_dir(config.name());
-  config.set("output.run_dir", run_dir, "resolved");
-  plan.run_dir = run_dir;
-  if (!plan.checkpoint.empty()) read_checkpoint(plan.checkpoint);
-  return plan;
-}
-
-const std::vector<std::string>& per_host_keys() {
-  static const std::vector<std::string> keys = {"data.path",        "runtime.threads",
-                                                "runtime.node_rank", "runtime.master_addr",
-                                                "output.progress",  "output.run_dir"};
-  return keys;
-}
-
-void check_same_config(const Config& config, const Distributed& world) {
-  if (!world.is_distributed()) return;
-  const auto& skip = per_host_keys();
-  std::string mine;
-  for (const auto& spec : config_schema()) {
-    if (std::find(skip.begin(), skip.end(), spec.key) != skip.end()) continue;
-    mine += spec.key + "=" + config.get_string(spec.key) + "\n";
-  }
-  const std::vector<std::string> all = world.allgather_text(mine);
-  std::vector<int> differ;
-  for (int r = 1; r < static_cast<int>(all.size()); ++r) {
-    if (all[r] != all[0]) differ.push_back(r);
-  }
-  if (differ.empty()) return;
-  // Name the first key on which the first differing rank departs from rank 0.
-  const auto lines = [](const std::string& text) {
-    std::vector<std::string> out;
-    std::istringstream in(text);
-    for (std::string line; std::getline(in, line);) out.push_back(line);
-    return out;
-  };
-  const auto a = lines(all[0]);
-  const auto b = lines(all[differ.front()]);
-  std::string detail;
-  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
-    if (a[i] == b[i]) continue;
-    const std::string key = a[i].substr(0, a[i].find('='));
-    detail = key + " is " + a[i].substr(key.size() + 1) + " on rank 0 but " +
-             b[i].substr(b[i].find('=') + 1) + " on rank " + std::to_string(differ.front());
-    break;
-  }
-  std::string ranks;
-  for (int r : differ) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-  throw UsageError("the ranks were started with different configurations: rank" +
-                   std::string(differ.size() > 1 ? "s " : " ") + ranks +
-                   (differ.size() > 1 ? " differ" : " differs") + " from rank 0 (" +
-                   detail + "). Every rank must run the same config; only data.path, "
-                   "runtime.threads, runtime.node_rank, runtime.master_addr, output.progress "
-                   "and output.run_dir may differ (rank 0's run directory is used)");
-}
-
-RunPlan agree_on_plan(Config& config, const std::string& resume, const Distributed& world) {
-  if (!world.is_distributed()) return plan_run(config, resume);
-  // Rank 0's plan, or its error, as "ok\nRUN_DIR\nCHECKPOINT" / "usage|checkpoint|error\nMESSAGE".
-  std::string message;
-  if (world.rank() == 0) {
-    try {
-      const RunPlan plan = plan_run(config, resume);
-      message = "ok\n" + plan.run_dir + "\n" + plan.checkpoint;
-    } catch (const UsageError& e) {
-      message = std::string("usage\n") + e.what();
-    } catch (const CheckpointError& e) {
-      message = std::string("checkpoint\n") + e.what();
-    } catch (const std::exception& e) {
-      message = std::string("error\n") + e.what();
-    }
-  }
-  message = world.broadcast_text(message);
-  const size_t first = message.find('\n');
-  const std::string kind = message.substr(0, first);
-  const std::string rest = first == std::string::npos ? "" : message.substr(first + 1);
-  const std::string from0 = world.rank() == 0 ? "" : "rank 0: ";
-  if (kind == "usage") throw UsageError(from0 + rest);
-  if (kind == "checkpoint") throw CheckpointError(from0 + rest);
-  if (kind != "ok") throw std::runtime_error(from0 + rest);
-  RunPlan plan;
-  plan.run_dir = rest.substr(0, rest.find('\n'));
-  plan.checkpoint = rest.substr(plan.run_dir.size() + 1);
-  config.set("output.run_dir", plan.run_dir, "rank 0");
-  // Every rank reads the checkpoint itself: the run directory must be on a
-  // filesystem all hosts share.
-  std::string problem;
-  if (world.rank() != 0 && !plan.checkpoint.empty()) {
-    try {
-      read_checkpoint(plan.checkpoint);
-    } catch (const std::exception& e) {
-      problem = e.what();
-    }
-  }
-  const std::vector<std::string> problems = world.allgather_text(problem);
-  for (int r = 0; r < static_cast<int>(problems.size()); ++r) {
-    if (problems[r].empty()) continue;
-    throw CheckpointError("rank " + std::to_string(r) + " cannot read the checkpoint " +
-                          plan.checkpoint + " that rank 0 resumes from (" + problems[r] +
-                          "); resuming across hosts needs output.run_dir on a filesystem every "
-                          "host shares");
-  }
-  return plan;
-}
-
-Config config_from_checkpoint(const std::string& path) {
-  const TensorDict ckpt = read_checkpoint(path);
-  Config config = Config::from_yaml(tensor_text(checkpoint_entry(ckpt, "config.yaml", path)),
-                                    path + " (its stored config)");
-  config.set_name(tensor_text(checkpoint_entry(ckpt, "config.name", path)));
-  return config;
-}
-
 void check_before_start(const Config& config, int world_size, int local_world_size) {
   const int64_t batch = config.get_int("data.batch_size");
   const int64_t accum = config.get_int("train.grad_accum");
@@ -1166,18 +846,6 @@ void check_before_start(const Config& config, int world_size, int local_world_si
                                          : model + " trains on images or feature vectors: set data.name=fashion_mnist, tensors or synthetic");
   }
   check_data_available(config);
-}
-
-void prepare_run_dir(const Config& config, const RunPlan& plan) {
-  make_dirs(checkpoint_dir(plan.run_dir));
-  // What a writer killed mid-checkpoint left (step_N.pt.tmpPID).
-  for (const auto& name : list_dir(checkpoint_dir(plan.run_dir))) {
-    if (name.rfind("step_", 0) == 0 && name.find(".pt.tmp") != std::string::npos) {
-      std::remove((checkpoint_dir(plan.run_dir) + "/" + name).c_str());
-    }
-  }
-  write_text_atomically(plan.run_dir + "/config.yaml",
-                        "# fusetrain train: the resolved configuration of this run\n" + config.to_yaml());
 }
 
 int threads_for(const Config& config, int local_world_size) {

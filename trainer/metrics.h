@@ -1,0 +1,30 @@
+// metrics.jsonl: one JSON object per line (nlohmann-json), written by rank 0
+// as the run goes; a resumed run first drops the records past its
+// checkpoint, which it writes again, so no step appears twice.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <fstream>
+#include <string>
+
+namespace fusetrain::trainer {
+
+/// Records keep their keys in the order they were set.
+using Record = nlohmann::ordered_json;
+
+class MetricsLog {
+ public:
+  /// Opens `path` for appending, keeping only the records whose "step" is at
+  /// most `keep_through_step` (0: an empty file); the rewrite is atomic.
+  void open(const std::string& path, int64_t keep_through_step);
+  /// Appends one line and flushes it. NaN and infinities are written as null.
+  void write(const Record& record);
+  bool is_open() const { return out_.is_open(); }
+
+ private:
+  std::ofstream out_;
+};
+
+}  // namespace fusetrain::trainer
