@@ -258,3 +258,90 @@ def test_missing_or_foreign_model_files(tmp_path):
         assert p.returncode == USAGE and "model.path" in p.stderr and needle in p.stderr, p.stderr
     p = run("export", "--checkpoint", tmp_path / "none.pt", "--state-dict", tmp_path / "o.pt")
     assert p.returncode == USAGE and "no such file" in p.stderr
+
+
+# ---------------------------------------------------------------- a language model
+
+LM_SRC = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+    class TinyLm(nn.Module):
+        """Byte-level causal transformer: [N, T] ids -> [N, T, 256] logits."""
+        def __init__(self, vocab: int = 256, d: int = 32, t: int = 16):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, d)
+            self.pos = nn.Parameter(torch.randn(t, d) * 0.02)
+            self.block = nn.TransformerEncoderLayer(d, 2, 64, dropout=0.0, batch_first=True)
+            self.norm = nn.LayerNorm(d)
+            self.head = nn.Linear(d, vocab)
+
+        def forward(self, idx):
+            t = idx.size(1)
+            mask = torch.triu(torch.full((t, t), float("-inf")), 1)
+            h = self.block(self.emb(idx) + self.pos[:t], src_mask=mask)
+            return self.head(self.norm(h))
+''')
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(x: int) -> int:
+    """splitmix64, as trainer/data.cpp's mix_seed."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def window_starts(seed: int, epoch: int, step: int, windows: int, batch: int) -> torch.Tensor:
+    """The random windows of a step, drawn as BatchSampler's random-window mode draws them."""
+    s = mix_seed(seed ^ mix_seed(epoch)) ^ mix_seed(0x5354 + step)
+    g = torch.Generator().manual_seed(mix_seed(s))
+    return torch.randint(windows, (batch,), generator=g)
+
+
+def test_scripted_language_model_trains_as_in_python(tmp_path):
+    """A scripted causal transformer on the bytes of a text: the trainer's
+    random windows reproduced in Python (splitmix64 seeds, the CPU
+    generator), the same AdamW steps, the same per-step losses."""
+    (tmp_path / "lm_src.py").write_text(LM_SRC)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import lm_src
+    finally:
+        sys.path.remove(str(tmp_path))
+    text = bytes(range(32, 127)) * 40  # 3800 bytes
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(text)
+    t, batch = 16, 8
+    torch.manual_seed(0)
+    eager = lm_src.TinyLm(t=t)
+    path = tmp_path / "lm.pt"
+    torch.jit.script(eager).save(str(path))
+    run_dir = tmp_path / "run"
+    ok(run("train", "--config", ROOT / "configs" / "gpt_tiny.yaml", "--run-dir", run_dir,
+           "--set", "model.name=torchscript", "--set", f"model.path={path}",
+           "--set", f"data.path={corpus}", "--set", f"model.seq_len={t}",
+           "--set", f"data.batch_size={batch}", "--set", f"train.max_steps={STEPS}",
+           "--set", "train.log_every=1", "--set", "train.clip_grad_norm=0",
+           "--set", f"optimizer.lr={LR}", "--set", "optimizer.weight_decay=0",
+           "--set", "optimizer.beta2=0.999", "--set", "schedule.warmup_steps=0",
+           "--set", "schedule.decay=none", "--set", "output.checkpoint_every=0"))
+    # Python: the same split (the last 10% held out), windows and steps.
+    stream = torch.tensor(list(text), dtype=torch.long)
+    train = stream[: len(stream) - round(len(stream) * 0.1)]
+    windows = len(train) - t  # window i starts at byte i
+    opt = torch.optim.AdamW(eager.parameters(), lr=LR, weight_decay=0.0, eps=1e-8)
+    reference = []
+    for step in range(STEPS):
+        starts = window_starts(0, 0, step, windows, batch)
+        idx = starts[:, None] + torch.arange(t)
+        x, y = train[idx], train[idx + 1]
+        loss = nn.functional.cross_entropy(eager(x).reshape(-1, 256), y.reshape(-1))
+        reference.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    torch.testing.assert_close(torch.tensor(trainer_losses(run_dir)), torch.tensor(reference),
+                               rtol=2e-5, atol=2e-6)
