@@ -247,12 +247,7 @@ Dataset tensors_dataset(const Config& config) {
 // ---------------------------------------------------------------- token streams
 
 at::Tensor text_bytes(const std::string& path, const std::string& key) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in.good()) throw UsageError(key + ": cannot read the text file " + path);
-  std::stringstream buf;
-  buf << in.rdbuf();
-  const std::string bytes = buf.str();
-  if (bytes.empty()) throw UsageError(key + ": " + path + " is empty");
+  const std::vector<char> bytes = read_file_bytes(path, key);
   at::Tensor all = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
   std::memcpy(all.data_ptr<uint8_t>(), bytes.data(), bytes.size());
   return all.to(at::kLong);

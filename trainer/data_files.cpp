@@ -17,14 +17,6 @@ namespace fusetrain::trainer {
 
 namespace {
 
-std::vector<char> read_all(const std::string& path, const std::string& key) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in.good()) throw UsageError(key + ": cannot open " + path + " (no such file, or unreadable)");
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (bytes.empty()) throw UsageError(key + ": " + path + " is empty");
-  return bytes;
-}
-
 uint64_t little_endian(const char* p, int n) {
   uint64_t v = 0;
   for (int i = n - 1; i >= 0; --i) v = (v << 8) | static_cast<uint8_t>(p[i]);
@@ -115,14 +107,22 @@ std::map<std::string, at::Tensor> read_torch_save(const std::vector<char>& bytes
 
 }  // namespace
 
+std::vector<char> read_file_bytes(const std::string& path, const std::string& key) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in.good()) throw UsageError(key + ": cannot open " + path + " (no such file, or unreadable)");
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (bytes.empty()) throw UsageError(key + ": " + path + " is empty");
+  return bytes;
+}
+
 std::map<std::string, at::Tensor> read_tensor_file(const std::string& path, const std::string& key) {
-  const std::vector<char> bytes = read_all(path, key);
+  const std::vector<char> bytes = read_file_bytes(path, key);
   const bool zip = bytes.size() >= 4 && std::memcmp(bytes.data(), "PK\x03\x04", 4) == 0;
   return zip ? read_torch_save(bytes, path, key) : read_safetensors(bytes, path, key);
 }
 
 at::Tensor read_token_file(const std::string& path, const std::string& dtype, const std::string& key) {
-  const std::vector<char> bytes = read_all(path, key);
+  const std::vector<char> bytes = read_file_bytes(path, key);
   int width = dtype == "uint32" ? 4 : 2;
   size_t offset = 0;
   constexpr size_t kHeaderBytes = 256 * 4;

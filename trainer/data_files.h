@@ -9,8 +9,13 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 namespace fusetrain::trainer {
+
+/// The bytes of `path`; a UsageError naming `key` when it cannot be read or
+/// is empty.
+std::vector<char> read_file_bytes(const std::string& path, const std::string& key);
 
 /// The tensors of `path`, by name, on the CPU: a .safetensors file (8-byte
 /// little-endian header length, a JSON header, then the raw bytes), or a

@@ -220,8 +220,11 @@ Distributed::Distributed(const dist::Environment& env, c10::DeviceType device_ty
     options.device_type = device_type;
     options.timeout = timeout;
     group_ = dist::init_process_group(env, options);
-    const dist::GlooTransport t = dist::gloo_transport_for(env.master_addr, env.master_port);
-    own_address_ = t.interfaces.empty() ? t.address : t.describe();
+    if (device_type == c10::DeviceType::CPU) {
+      // What gloo bound, to name the ranks behind a broken connection.
+      const dist::GlooTransport t = dist::gloo_transport_for(env.master_addr, env.master_port);
+      own_address_ = t.interfaces.empty() ? t.address : t.describe();
+    }
   }
 }
 
