@@ -154,37 +154,31 @@ def throughput_rows(ctx: Context) -> list:
     rows = []
     policies = ["float32"] if ctx.quick else ["float32", "mixed_bfloat16"]
     with tempfile.TemporaryDirectory(prefix="bench_trainer_") as tmp:
-        for policy in policies:
-            ours, theirs = [], []
-            for _ in range(repeats):
-                ours.append(trainer_rate(policy, steps, samples, ctx.threads, window, Path(tmp)))
-                theirs.append(python_rate(policy, steps, x, y, window))
-            rows.append(result(
-                f"trainer vs Python loop, cnn {policy}",
-                ours=statistics.median(ours), torch_=statistics.median(theirs), unit="samples/s",
-                higher_is_better=True, goal=SPEED_GOAL,
-                notes=(f"Fashion-MNIST cnn 16/32/128, batch {BATCH}, {ctx.threads} thread(s), {steps} steps, "
-                       f"median of {window}-step windows; 'torch' = the same step in Python with "
-                       f"fusetrain.optim.FusedAdamW + fusetrain.amp"),
-                trainer_runs=ours, python_runs=theirs))
-        # The user's own model (issue 13): the same CNN scripted in Python,
-        # trained by the CLI, against the eager module in the same Python loop.
+        # The built-in CNN, and (issue 13) the same CNN scripted in Python and
+        # trained with model.name=torchscript against the eager module: no
+        # float32 head on either side of that one.
         module = scripted_cnn(Path(tmp) / "cnn.pt")
-        script = ["--set", "model.name=torchscript", "--set", f"model.path={module}"]
-        for policy in policies:
-            ours, theirs = [], []
-            for _ in range(repeats):
-                ours.append(trainer_rate(policy, steps, samples, ctx.threads, window, Path(tmp), script))
-                theirs.append(python_rate(policy, steps, x, y, window, float32_head=False))
-            rows.append(result(
-                f"trainer vs Python loop, TorchScript cnn {policy}",
-                ours=statistics.median(ours), torch_=statistics.median(theirs), unit="samples/s",
-                higher_is_better=True, goal=SPEED_GOAL,
-                notes=(f"the cnn 16/32/128 scripted (torch.jit.script) and trained with "
-                       f"model.name=torchscript, batch {BATCH}, {ctx.threads} thread(s), {steps} steps; "
-                       f"'torch' = the eager module in the same Python loop (no float32 head on "
-                       f"either side)"),
-                trainer_runs=ours, python_runs=theirs))
+        variants = [
+            ("cnn", [], True,
+             f"Fashion-MNIST cnn 16/32/128, batch {BATCH}, {ctx.threads} thread(s), {steps} steps, "
+             f"median of {window}-step windows; 'torch' = the same step in Python with "
+             f"fusetrain.optim.FusedAdamW + fusetrain.amp"),
+            ("TorchScript cnn", ["--set", "model.name=torchscript", "--set", f"model.path={module}"], False,
+             f"the cnn 16/32/128 scripted (torch.jit.script) and trained with model.name=torchscript, "
+             f"batch {BATCH}, {ctx.threads} thread(s), {steps} steps; 'torch' = the eager module in "
+             f"the same Python loop (no float32 head on either side)"),
+        ]
+        for label, extra, float32_head, notes in variants:
+            for policy in policies:
+                ours, theirs = [], []
+                for _ in range(repeats):
+                    ours.append(trainer_rate(policy, steps, samples, ctx.threads, window, Path(tmp), extra))
+                    theirs.append(python_rate(policy, steps, x, y, window, float32_head=float32_head))
+                rows.append(result(
+                    f"trainer vs Python loop, {label} {policy}",
+                    ours=statistics.median(ours), torch_=statistics.median(theirs), unit="samples/s",
+                    higher_is_better=True, goal=SPEED_GOAL, notes=notes,
+                    trainer_runs=ours, python_runs=theirs))
     return rows
 
 
