@@ -10,7 +10,15 @@ Python loop, and the default run's mixed_bfloat16 vs float32 accuracy.
    metrics.jsonl, first window dropped as warm-up) over samples/s of the
    Python loop (median over windows of the same size), in float32 and in
    mixed_bfloat16. Trainer and Python runs alternate. Goal: at least 1.0x.
-2. Accuracy, opt-in (about 15-20 minutes on 2 cores): the default run
+2. The background loader (data.prefetch, issue 13): the same trainer runs
+   with the loader thread (data.prefetch=2, the default: batches gathered on
+   a thread of their own, through pinned memory and a copy stream on CUDA)
+   against data.prefetch=0 (each step gathers its batch itself, from data on
+   the device), on the CNN and on the character GPT of configs/gpt_text.yaml.
+   Step time = 1 / steps per second from metrics.jsonl. On the GPU box, the
+   loader's host-to-device path against device-resident data, eager and with
+   CUDA graphs.
+3. Accuracy, opt-in (about 15-20 minutes on 2 cores): the default run
    (`fusetrain train --config configs/fashion_mnist.yaml`, 2 processes) in
    mixed_bfloat16 and in float32 with the same seed: test accuracies (goal:
    within 0.5 points) and the speed ratio. Enable it with
@@ -75,9 +83,9 @@ def fashion_train(n: int):
 
 
 def trainer_rate(policy: str, steps: int, samples: int, threads: int, window: int, workdir: Path,
-                 extra=()) -> float:
+                 extra=(), config: Path = DEFAULT_CONFIG) -> float:
     run_dir = workdir / f"trainer-{policy}-{time.monotonic_ns()}"
-    cmd = [str(BIN), "train", "--config", str(DEFAULT_CONFIG), "--nproc", "1", "--threads", str(threads),
+    cmd = [str(BIN), "train", "--config", str(config), "--nproc", "1", "--threads", str(threads),
            "--precision", policy, "--run-dir", str(run_dir), "--set", f"data.train_samples={samples}",
            "--set", "data.test_samples=1000", "--set", f"train.max_steps={steps}",
            "--set", f"train.log_every={window}", "--set", f"schedule.warmup_steps={WARMUP}",
@@ -204,6 +212,50 @@ def cuda_graph_rows(ctx: Context) -> list:
     return rows
 
 
+GPT_TEXT = ROOT / "configs" / "gpt_text.yaml"
+KJV = ROOT / "data" / "kjv.txt"  # scripts/install-deps.sh writes it (Debian's bible-kjv-text)
+
+
+def loader_rows(ctx: Context) -> list:
+    """Step time with the loader thread (data.prefetch=2) over without it
+    (data.prefetch=0), same trainer, alternating runs; ratio > 1: the loader
+    is faster."""
+    cuda = ctx.is_cuda
+    repeats = 1 if ctx.quick else 3
+    steps, window = ((320, 64) if ctx.quick else (960, 64)) if cuda else ((60, 10) if ctx.quick else (120, 20))
+    corpus = KJV if KJV.exists() else Path("/usr/share/common-licenses/GPL-3")
+    device = ["--device", "cuda"] if cuda else []
+    variants = [("cnn float32", DEFAULT_CONFIG, ["--set", "data.test_samples=1000"]),
+                ("gpt_text float32", GPT_TEXT, ["--set", f"data.path={corpus}", "--set", "train.eval_every=0",
+                                                "--set", "data.test_samples=64", "--set", "data.batch_size=32"])]
+    if cuda:
+        variants.append(("cnn float32, CUDA graphs K=16", DEFAULT_CONFIG,
+                         ["--set", "data.test_samples=1000", "--steps-per-execution", "16"]))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_trainer_loader_") as tmp:
+        for label, config, extra in variants:
+            on, off = [], []
+            for _ in range(repeats):
+                for prefetch, out in ((2, on), (0, off)):
+                    rate = trainer_rate("float32", steps, BATCH * steps, ctx.threads, window, Path(tmp),
+                                        [*device, *extra, "--set", f"data.prefetch={prefetch}"], config=config)
+                    out.append(rate)
+            batch = BATCH if config == DEFAULT_CONFIG else 32
+            step_on = 1e3 * batch / statistics.median(on)
+            step_off = 1e3 * batch / statistics.median(off)
+            where = torch.cuda.get_device_name(0) if cuda else f"{ctx.threads} thread(s)"
+            rows.append(result(
+                f"trainer step with the loader thread vs without, {label}{' cuda' if cuda else ''}",
+                ours=step_on, torch_=step_off, unit="ms/step", higher_is_better=False,
+                notes=(f"fusetrain train, {where}, {steps} steps, median of {window}-step windows over "
+                       f"{repeats} run(s) each; ours = data.prefetch=2 (default: host data, a loader thread"
+                       f"{', pinned memory + copy stream' if cuda else ''}), baseline = data.prefetch=0 "
+                       f"(data on the device, gathered in the step)"
+                       + (f"; corpus {corpus}" if config == GPT_TEXT else "")),
+                loader_runs=on, inline_runs=off))
+    return rows
+
+
 def accuracy_rows(workdir: Path) -> list:
     """The default run in mixed_bfloat16 and float32, same seed."""
     out = {}
@@ -246,8 +298,8 @@ def run(ctx: Context) -> list:
         print("  trainer: Fashion-MNIST is missing (apt-get install dataset-fashion-mnist)", file=sys.stderr)
         return []
     if ctx.is_cuda:
-        return cuda_graph_rows(ctx)
-    rows = throughput_rows(ctx)
+        return cuda_graph_rows(ctx) + loader_rows(ctx)
+    rows = throughput_rows(ctx) + loader_rows(ctx)
     if os.environ.get("FUSETRAIN_BENCH_ACCURACY") == "1":
         with tempfile.TemporaryDirectory(prefix="bench_trainer_acc_") as tmp:
             rows += accuracy_rows(Path(tmp))

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 TORCH_VERSION=2.11.0
 APT_PACKAGES=(cmake ninja-build ccache g++ libcxxopts-dev catch2 libyaml-cpp-dev nlohmann-json3-dev libgloo-dev
-              zlib1g-dev dataset-fashion-mnist iproute2 nftables)
+              zlib1g-dev dataset-fashion-mnist bible-kjv iproute2 nftables)
 PY_PACKAGES=(numpy pytest pybind11 matplotlib pyyaml setuptools wheel safetensors)
 
 missing=()
@@ -22,6 +22,13 @@ if ((${#missing[@]})); then
   fi
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+fi
+
+# configs/gpt_text.yaml's corpus: the King James Bible as plain text (4.3 MB),
+# decoded from the package bible-kjv-text by its `bible` program.
+if [ ! -s data/kjv.txt ] && command -v bible >/dev/null; then
+  mkdir -p data
+  bible "Gen1:1-Rev22:21" > data/kjv.txt.tmp && mv data/kjv.txt.tmp data/kjv.txt
 fi
 
 # PYTHON overrides the virtual environment (the GPU box brings its own torch).

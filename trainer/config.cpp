@@ -215,6 +215,11 @@ const std::vector<KeySpec>& config_schema() {
       key("data.batch_size", K::kInt, "128",
           "global batch per optimizer step, split over ranks and accumulation micro-batches", {},
           1, 1 << 24),
+      key("data.prefetch", K::kInt, "2",
+          "steps whose batches a background thread prepares ahead of the training step, from the "
+          "training data in host memory (on CUDA through pinned memory and a copy stream); 0: no "
+          "loader thread, the training data on the device and each step gathering its own batch",
+          {}, 0, 1024),
       key("data.eval_batch_size", K::kInt, "1000", "samples per evaluation forward, per rank", {},
           1, 1 << 24),
       key("data.train_samples", K::kInt, "0",
@@ -232,6 +237,10 @@ const std::vector<KeySpec>& config_schema() {
       key("train.max_steps", K::kInt, "0",
           "optimizer steps of the run (0: epochs x steps per epoch); the schedule follows it", {},
           0, 1e15),
+      key("train.max_time_s", K::kFloat, "0",
+          "stop after this many seconds of the run (at the next host synchronisation), evaluate "
+          "and write the final checkpoint; the schedule still follows the planned steps (0: no "
+          "limit)", {}, 0, 1e9),
       key("train.grad_accum", K::kInt, "1", "micro-batches accumulated per optimizer step", {}, 1,
           1 << 20),
       key("train.steps_per_execution", K::kInt, "1",
@@ -266,6 +275,9 @@ const std::vector<KeySpec>& config_schema() {
           "keep the model in 16 bits with float32 master weights in the optimizer"),
       key("precision.float32_head", K::kBool, "true",
           "run the final layer and the loss in float32 (a float32 island)"),
+      key("precision.float32_modules", K::kString, "",
+          "model.name=torchscript: submodules (comma-separated names as in the Python module's "
+          "named_modules()) whose forward runs in float32 under a mixed policy (float32 islands)"),
       key("precision.init_scale", K::kFloat, "65536", "mixed_float16: initial loss scale", {},
           1e-30),
       key("precision.growth_interval", K::kInt, "2000",

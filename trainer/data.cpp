@@ -415,7 +415,7 @@ at::Tensor read_idx_gz(const std::string& path) {
   return out;
 }
 
-Dataset load_dataset(const Config& config, const at::Device& device) {
+Dataset load_dataset(const Config& config, const at::Device& device, const at::Device& train_device) {
   const std::string& name = config.get_string("data.name");
   Dataset d;
   if (name == "fashion_mnist") {
@@ -437,12 +437,13 @@ Dataset load_dataset(const Config& config, const at::Device& device) {
       d.samples_per_epoch = std::min(d.samples_per_epoch, config.get_int("data.train_samples"));
     }
     const int64_t t = d.train.inputs.size(1);
-    const at::Tensor stream = d.train_stream.to(device);
+    const at::Tensor stream = d.train_stream.to(train_device);
     d.train_stream = at::Tensor();
     d.train = all_windows(stream, t);
   } else {
     d.train = take_first(d.train, config.get_int("data.train_samples"));
-    d.train = Split{d.train.inputs.to(device).contiguous(), d.train.targets.to(device).contiguous()};
+    d.train = Split{d.train.inputs.to(train_device).contiguous(),
+                    d.train.targets.to(train_device).contiguous()};
   }
   d.test = Split{d.test.inputs.to(device).contiguous(), d.test.targets.to(device).contiguous()};
   return d;

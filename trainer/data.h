@@ -47,10 +47,15 @@ struct Dataset {
   std::string description;
 };
 
-/// Loads the dataset the config names (data.*), moved to `device`. Every
-/// rank loads the same data; the sampler picks its share. A missing
-/// Fashion-MNIST names the Debian package to install.
-Dataset load_dataset(const Config& config, const at::Device& device);
+/// Loads the dataset the config names (data.*): the test split moved to
+/// `device`, the training split to `train_device` (the host when a
+/// BatchLoader feeds the device). Every rank loads the same data; the
+/// sampler picks its share. A missing Fashion-MNIST names the Debian package
+/// to install.
+Dataset load_dataset(const Config& config, const at::Device& device, const at::Device& train_device);
+inline Dataset load_dataset(const Config& config, const at::Device& device) {
+  return load_dataset(config, device, device);
+}
 
 /// Checks that the files the dataset needs exist (before any work starts);
 /// a missing Fashion-MNIST names the Debian package that provides it.

@@ -9,6 +9,7 @@
 
 #include "checkpoint.h"
 #include "config.h"
+#include "evaluate.h"
 #include "launch.h"
 #include "torchscript_model.h"
 #include "train.h"

@@ -1,6 +1,6 @@
-// What rank 0 shows while training: printf-style text helpers, durations,
-// and a progress bar that redraws itself on a terminal (plain lines
-// otherwise).
+// What rank 0 shows while training: durations and a progress bar that
+// redraws itself on a terminal (plain lines otherwise). Text is formatted
+// with {fmt} (format.h).
 #pragma once
 
 #include <chrono>
@@ -10,8 +10,6 @@
 
 namespace fusetrain::trainer {
 
-/// printf into a std::string (at most 511 characters).
-std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 
 /// "12.3s", "4m05s", "2h03m".
 std::string duration_text(double seconds);

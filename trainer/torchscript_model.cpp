@@ -3,18 +3,195 @@
 
 #include "checkpoint.h"
 
+#include <ATen/autocast_mode.h>
+#include <torch/csrc/jit/api/function_impl.h>
+#include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/passes/autocast.h>
+#include <torch/csrc/jit/python/update_graph_executor_opt.h>
+#include <torch/library.h>
 #include <torch/script.h>
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <iterator>
+#include <map>
+#include <set>
+#include <sstream>
 #include <utility>
 
 namespace fusetrain::trainer {
 
 namespace {
+
+// ------------------------------------------------------- float32 islands
+//
+// Note [TorchScript float32 islands]
+// A named submodule runs in float32 when every call of its forward is
+// wrapped, in its caller's graph, by three ops of the trainer's own:
+//   %state = float32_island_enter()          autocast off on every device
+//   %x32   = float32_island_input(%x)        each tensor argument to float32
+//   %y     = prim::CallMethod[forward](%sub, %x32, ...)
+//   float32_island_exit(%state)              autocast as it was
+// (what fusetrain.amp.keep_float32's hooks do in Python). The calls are
+// rewritten in the caller rather than in the submodule's own graph because
+// TorchScript shares one graph among the instances of a module type (every
+// Linear of a model, say): the caller's graph names the instance by its
+// attribute path. A caller's graph is shared by its type's instances too, so
+// a call is wrapped only when it is selected for all of them, and a
+// selection that holds for some instances only is an error. The JIT's own
+// autocast pass, which would bake its casts into the graph without seeing
+// the islands, is turned off with the graph optimisations (for every
+// TorchScript model, see load_torchscript_model): eager autocast (the
+// dispatcher's) applies to every op the interpreter runs, and the
+// enter/exit ops switch it.
+
+constexpr c10::DeviceType kAutocastDevices[] = {c10::DeviceType::CPU, c10::DeviceType::CUDA};
+
+int64_t island_enter() {
+  int64_t state = 0;
+  for (size_t i = 0; i < std::size(kAutocastDevices); ++i) {
+    if (at::autocast::is_autocast_enabled(kAutocastDevices[i])) state |= int64_t{1} << i;
+    at::autocast::set_autocast_enabled(kAutocastDevices[i], false);
+  }
+  return state;
+}
+
+void island_exit(int64_t state) {
+  for (size_t i = 0; i < std::size(kAutocastDevices); ++i) {
+    at::autocast::set_autocast_enabled(kAutocastDevices[i], ((state >> i) & 1) != 0);
+  }
+}
+
+at::Tensor island_input(const at::Tensor& x) {
+  return x.is_floating_point() && x.scalar_type() != at::kFloat ? x.to(at::kFloat) : x;
+}
+
+TORCH_LIBRARY_FRAGMENT(fusetrain_trainer, m) {
+  // CONSERVATIVE: side effects, so the graph passes neither drop nor move them.
+  m.def(torch::schema("float32_island_enter() -> int", c10::AliasAnalysisKind::CONSERVATIVE),
+        &island_enter);
+  m.def(torch::schema("float32_island_exit(int state) -> ()", c10::AliasAnalysisKind::CONSERVATIVE),
+        &island_exit);
+  m.def("float32_island_input(Tensor(a) x) -> Tensor(a)", &island_input);  // as aten::to
+}
+
+/// The attribute path from the graph's `self` (input 0) to `v`: "head",
+/// "blocks.0"; empty when `v` is not a chain of prim::GetAttr from self.
+std::string attribute_path(torch::jit::Value* v, torch::jit::Value* self) {
+  std::vector<std::string> parts;
+  while (v != self) {
+    torch::jit::Node* n = v->node();
+    if (n->kind() != c10::prim::GetAttr) return "";
+    parts.push_back(n->s(c10::attr::name));
+    v = n->input(0);
+  }
+  std::string path;
+  for (auto it = parts.rbegin(); it != parts.rend(); ++it) path += (path.empty() ? "" : ".") + *it;
+  return path;
+}
+
+void forward_calls(torch::jit::Block* block, torch::jit::Value* self,
+                   std::vector<std::pair<torch::jit::Node*, std::string>>& out) {
+  for (torch::jit::Node* n : block->nodes()) {
+    for (torch::jit::Block* sub : n->blocks()) forward_calls(sub, self, out);
+    if (n->kind() == c10::prim::CallMethod && n->s(c10::attr::name) == "forward") {
+      const std::string path = attribute_path(n->input(0), self);
+      if (!path.empty()) out.emplace_back(n, path);
+    }
+  }
+}
+
+void wrap_in_float32(torch::jit::Graph& graph, torch::jit::Node* call) {
+  using torch::jit::Symbol;
+  torch::jit::Node* enter =
+      graph.create(Symbol::fromQualString("fusetrain_trainer::float32_island_enter"), 1);
+  enter->output()->setType(c10::IntType::get());
+  enter->insertBefore(call);
+  for (size_t i = 1; i < call->inputs().size(); ++i) {
+    torch::jit::Value* in = call->input(i);
+    if (!in->type()->isSubtypeOf(*c10::TensorType::get())) continue;
+    torch::jit::Node* cast =
+        graph.create(Symbol::fromQualString("fusetrain_trainer::float32_island_input"), {in}, 1);
+    cast->output()->setType(c10::TensorType::get());
+    cast->insertBefore(call);
+    call->replaceInput(i, cast->output());
+  }
+  torch::jit::Node* exit =
+      graph.create(Symbol::fromQualString("fusetrain_trainer::float32_island_exit"), {enter->output()}, 0);
+  exit->insertAfter(call);
+}
+
+std::string joined(const std::vector<std::string>& names) {
+  std::string s;
+  for (const auto& n : names) s += (s.empty() ? "" : ", ") + n;
+  return s.empty() ? "(none)" : s;
+}
+
+/// Makes the submodules named in precision.float32_modules (comma-separated,
+/// as in the Python module's named_modules()) float32 islands; see Note
+/// [TorchScript float32 islands]. Before the module's first run.
+void make_float32_islands(torch::jit::Module& module, const Config& config, const std::string& path) {
+  std::set<std::string> selected;
+  std::stringstream list(config.get_string("precision.float32_modules"));
+  for (std::string name; std::getline(list, name, ',');) {
+    name.erase(0, name.find_first_not_of(" \t"));
+    name.erase(name.find_last_not_of(" \t") + 1);
+    if (!name.empty()) selected.insert(name);
+  }
+  if (selected.empty()) return;
+  // Every instance by path, grouped by the graph of its forward.
+  std::vector<std::string> names;
+  std::map<torch::jit::Graph*, std::vector<std::string>> instances;
+  std::map<torch::jit::Graph*, std::shared_ptr<torch::jit::Graph>> graphs;
+  for (const auto& m : module.named_modules()) {
+    if (!m.name.empty()) names.push_back(m.name);
+    const auto forward = m.value.find_method("forward");
+    if (!forward) continue;
+    std::shared_ptr<torch::jit::Graph> g = torch::jit::toGraphFunction(forward->function()).graph();
+    instances[g.get()].push_back(m.name);
+    graphs[g.get()] = g;
+  }
+  for (const auto& name : selected) {
+    if (std::find(names.begin(), names.end(), name) == names.end()) {
+      throw config.error("precision.float32_modules",
+                         "the module in " + path + " has no submodule named \"" + name +
+                             "\"; it has " + joined(names));
+    }
+  }
+  std::set<std::string> wrapped;
+  for (const auto& [raw, callers] : instances) {
+    torch::jit::Graph& g = *graphs[raw];
+    std::vector<std::pair<torch::jit::Node*, std::string>> calls;
+    forward_calls(g.block(), g.inputs()[0], calls);
+    for (const auto& [node, rel] : calls) {
+      std::vector<std::string> in, out;
+      for (const auto& caller : callers) {
+        const std::string callee = caller.empty() ? rel : caller + "." + rel;
+        (selected.count(callee) ? in : out).push_back(callee);
+      }
+      if (in.empty()) continue;
+      if (!out.empty()) {
+        throw config.error("precision.float32_modules",
+                           "TorchScript runs " + joined(in) + " and " + joined(out) +
+                               " through one graph (their parents share a module type): name all "
+                               "of them or none");
+      }
+      wrap_in_float32(g, node);
+      wrapped.insert(in.begin(), in.end());
+    }
+  }
+  for (const auto& name : selected) {
+    if (!wrapped.count(name)) {
+      throw config.error("precision.float32_modules",
+                         name + " in " + path + " is never called through its forward() by its "
+                                "parent (an island wraps those calls)");
+    }
+  }
+}
 
 /// One submodule of the TorchScript module: its direct parameters and
 /// buffers (the same tensors), and a mirror of each child.
@@ -84,7 +261,18 @@ torch::jit::Module load_module(const std::string& path) {
 Model load_torchscript_model(const Config& config, const Dataset& data) {
   const std::string& path = config.get_string("model.path");
   if (path.empty()) throw config.error("model.path", "model.name=torchscript needs the module's file");
-  auto model = std::make_shared<TorchScriptImpl>(load_module(path), path);
+  torch::jit::Module module = load_module(path);
+  // The module runs op by op as eager PyTorch runs it: the same kernels, the
+  // dispatcher's autocast and autograd. The JIT's autocast pass would bake
+  // the autocast state of its first optimisation into the graph (islands
+  // or not), and without that pass its symbolic autodiff would differentiate
+  // through autocast's casts as if they were not there (a bfloat16 gradient
+  // against a float32 weight); so both are off. (The optimisation switch is
+  // per thread: this one, the training thread.)
+  torch::jit::setAutocastMode(false);
+  torch::jit::setGraphExecutorOptimize(false);
+  make_float32_islands(module, config, path);
+  auto model = std::make_shared<TorchScriptImpl>(std::move(module), path);
   // One forward on two samples, in eval mode (no dropout draw, no batch-norm
   // update), to fail now with a clear message rather than at step 1.
   const at::Tensor x = data.train.inputs.narrow(0, 0, std::min<int64_t>(2, data.train.size())).cpu();

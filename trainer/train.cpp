@@ -23,9 +23,13 @@
 
 #include "checkpoint.h"
 #include "data.h"
+#include "evaluate.h"
+#include "format.h"
+#include "loader.h"
 #include "models.h"
 #include "metrics.h"
 #include "progress.h"
+#include "state.h"
 
 #include <fusetrain/amp/grad_scaler.h>
 #include <fusetrain/amp/policy.h>
@@ -64,66 +68,6 @@ constexpr int64_t kFormatVersion = 1;
 at::Tensor scalar(int64_t v) { return at::scalar_tensor(v, at::kLong); }
 at::Tensor scalar(double v) { return at::scalar_tensor(v, at::kDouble); }
 
-at::Device device_of(const Config& config, int local_rank) {
-  if (config.get_string("runtime.device") == "cuda") return at::Device(at::kCUDA, local_rank);
-  return at::Device(at::kCPU);
-}
-
-/// Cross-entropy in float32 (a float32 island), logits [N, C] or [N, T, V].
-at::Tensor loss_of(const at::Tensor& logits, const at::Tensor& targets,
-                   at::Reduction::Reduction reduction = at::Reduction::Mean) {
-  const amp::Float32Guard float32;
-  const at::Tensor flat = logits.to(at::kFloat).reshape({-1, logits.size(-1)});
-  return at::cross_entropy_loss(flat, targets.reshape({-1}), {}, reduction);
-}
-
-struct EvalResult {
-  double loss = 0.0;
-  double accuracy = 0.0;
-  int64_t count = 0;
-};
-
-/// Test loss and accuracy (next-token accuracy for token data) over the
-/// whole split, each rank taking a contiguous part; logits gathered into
-/// `logits_out` (single process) when given.
-EvalResult evaluate(ModelImpl& model, const Split& test, const Distributed& world,
-                    const amp::Policy& policy, c10::DeviceType device_type, int64_t batch,
-                    std::vector<at::Tensor>* logits_out = nullptr) {
-  const bool was_training = model.is_training();
-  model.eval();
-  at::NoGradGuard no_grad;
-  // Batch-norm statistics as rank 0 has them (the checkpoint's).
-  world.broadcast_(model.buffers());
-  const auto [begin, end] = eval_shard(test.size(), world.world_size(), world.rank());
-  const at::Tensor sums =
-      at::zeros({3}, at::TensorOptions().dtype(at::kDouble).device(test.inputs.device()));
-  for (int64_t i = begin; i < end; i += batch) {
-    const int64_t n = std::min(batch, end - i);
-    const at::Tensor x = test.inputs.narrow(0, i, n);
-    const at::Tensor y = test.targets.narrow(0, i, n);
-    at::Tensor logits;
-    {
-      const amp::AutocastGuard autocast(device_type, policy);
-      logits = model.forward(x);
-    }
-    const at::Tensor flat = logits.to(at::kFloat).reshape({-1, logits.size(-1)});
-    const at::Tensor targets = y.reshape({-1});
-    sums[0].add_(loss_of(logits, y, at::Reduction::Sum));
-    sums[1].add_(flat.argmax(1).eq(targets).sum());
-    sums[2].add_(targets.numel());
-    if (logits_out != nullptr) logits_out->push_back(logits.to(at::kFloat).cpu());
-  }
-  world.allreduce_sum_(sums);
-  const at::Tensor host = sums.cpu();
-  const double* s = host.const_data_ptr<double>();
-  if (was_training) model.train();
-  EvalResult r;
-  r.count = static_cast<int64_t>(s[2]);
-  r.loss = r.count ? s[0] / s[2] : 0.0;
-  r.accuracy = r.count ? s[1] / s[2] : 0.0;
-  return r;
-}
-
 // ------------------------------------------------------------------ trainer
 
 class Trainer {
@@ -145,9 +89,14 @@ class Trainer {
   void save_checkpoint(const std::string& reason);
   double lr_at(int64_t step) const;
   void reseed(int64_t step);
-  /// One step's inputs: the micro-batches' sample indices and the learning
-  /// rate on the device, and the step number on the CPU.
+  /// One step's inputs: per micro-batch its inputs and targets (from the
+  /// loader) or its sample indices (gathered in the step); the learning rate
+  /// on the device; the step number on the CPU.
   std::vector<at::Tensor> step_batch(int64_t step);
+  /// A batch of step_batch's shapes that takes nothing from the loader.
+  std::vector<at::Tensor> sample_batch();
+  /// Tensors per micro-batch in a step's batch: 2 with the loader, else 1.
+  int64_t micro_slots() const { return loader_ ? 2 : 1; }
   /// One optimizer step over `batch` (see step_batch); returns its loss.
   at::Tensor step_body(const std::vector<at::Tensor>& batch);
   /// Steps [first, first + n): one fused execution when K > 1.
@@ -181,6 +130,8 @@ class Trainer {
   std::unique_ptr<amp::GradScaler> scaler_;
   std::unique_ptr<ParallelModel> parallel_;
   std::unique_ptr<BatchSampler> sampler_;
+  // data.prefetch > 0: the batches come from a background thread.
+  std::unique_ptr<BatchLoader> loader_;
   std::unique_ptr<Progress> progress_;
   MetricsLog metrics_;
   // steps_per_execution > 1: K steps per execution, captured as a CUDA graph
@@ -212,7 +163,11 @@ class Trainer {
 void Trainer::build() {
   const int64_t seed = config_.get_int("train.seed");
   torch::manual_seed(static_cast<uint64_t>(seed));
-  data_ = load_dataset(config_, device_);
+  // With the loader the training data stays in host memory (a device needs
+  // room only for the batches in flight).
+  const bool loader = config_.get_int("data.prefetch") > 0;
+  const at::Device data_device = loader ? at::Device(at::kCPU) : device_;
+  data_ = load_dataset(config_, device_, data_device);
   model_ = make_model(config_, data_);
   model_->to(device_);
   if (config_.get_bool("precision.master_weights")) {
@@ -280,9 +235,10 @@ void Trainer::build() {
   sampler_ = std::make_unique<BatchSampler>(
       data_.random_windows
           ? BatchSampler::random_windows(data_.train.size(), data_.samples_per_epoch, batch,
-                                         world_.world_size(), world_.rank(), accum, data_seed, device_)
+                                         world_.world_size(), world_.rank(), accum, data_seed,
+                                         data_device)
           : BatchSampler(data_.train.size(), batch, world_.world_size(), world_.rank(), accum,
-                         data_seed, device_));
+                         data_seed, data_device));
 
   const auto acc = at::TensorOptions().dtype(at::kFloat).device(device_);
   window_loss_ = at::zeros({1}, acc);
@@ -312,37 +268,9 @@ TensorDict Trainer::snapshot() {
   d.emplace_back("data.num_classes", at::scalar_tensor(data_.num_classes, at::kLong));
   d.emplace_back("rng.seed", scalar(config_.get_int("train.seed")));
   d.emplace_back("rng.cpu_state", at::detail::getDefaultCPUGenerator().get_state());
-  for (const auto& p : model_->named_parameters()) d.emplace_back("model." + p.key(), p.value());
-  for (const auto& b : model_->named_buffers()) d.emplace_back("model." + b.key(), b.value());
-
-  const bool adamw = config_.get_string("optimizer.name") == "adamw";
-  d.emplace_back("optim.name", text_tensor(config_.get_string("optimizer.name")));
-  auto& state = optimizer_->state();
-  for (const auto& p : model_->named_parameters()) {
-    const auto it = state.find(p.value().unsafeGetTensorImpl());
-    if (it == state.end()) continue;
-    const std::string k = "optim." + p.key() + ".";
-    auto put = [&](const char* field, const at::Tensor& t) {
-      if (t.defined()) d.emplace_back(k + field, t);
-    };
-    if (adamw) {
-      const auto& s = static_cast<const optim::FusedAdamWParamState&>(*it->second);
-      put("step", s.step());
-      put("exp_avg", s.exp_avg());
-      put("exp_avg_sq", s.exp_avg_sq());
-      put("max_exp_avg_sq", s.max_exp_avg_sq());
-      put("master_param", s.master_param());
-    } else {
-      const auto& s = static_cast<const optim::FusedSGDParamState&>(*it->second);
-      put("momentum_buffer", s.momentum_buffer());
-      put("master_param", s.master_param());
-    }
-  }
-  for (const auto& item : scaler_->state_dict()) {
-    const c10::IValue& v = item.value();
-    d.emplace_back("scaler." + item.key().toStringRef(),
-                   v.isInt() ? scalar(v.toInt()) : scalar(v.toDouble()));
-  }
+  put_model(d, model_);
+  put_optimizer(d, model_, *optimizer_, config_.get_string("optimizer.name"));
+  put_scaler(d, *scaler_);
   return d;
 }
 
@@ -351,7 +279,7 @@ void Trainer::save_checkpoint(const std::string& reason) {
   const auto t0 = Clock::now();
   make_dirs(checkpoint_dir(plan_.run_dir));
   const std::string path =
-      checkpoint_dir(plan_.run_dir) + "/" + format("step_%08ld.pt", static_cast<long>(step_));
+      checkpoint_dir(plan_.run_dir) + "/" + fmt::format("step_{:08d}.pt", step_);
   write_checkpoint(path, snapshot());
   last_checkpoint_ = path;
   // Keep the newest keep_checkpoints files; the one just written is among them.
@@ -359,8 +287,8 @@ void Trainer::save_checkpoint(const std::string& reason) {
   const auto keep = static_cast<size_t>(config_.get_int("output.keep_checkpoints"));
   for (size_t i = 0; i + keep < all.size(); ++i) std::remove(all[i].second.c_str());
   if (reason != "quiet") {
-    say(format("checkpoint %s (%s, %.1f s)", path.c_str(), reason.c_str(),
-               std::chrono::duration<double>(Clock::now() - t0).count()));
+    say(fmt::format("checkpoint {} ({}, {:.1f} s)", path, reason,
+                    std::chrono::duration<double>(Clock::now() - t0).count()));
   }
 }
 
@@ -374,77 +302,9 @@ void Trainer::restore(const std::string& path) {
                           std::to_string(entry("meta.format").item<int64_t>()) + "; this build reads " +
                           std::to_string(kFormatVersion));
   }
-  at::NoGradGuard no_grad;
-  // Model: every parameter and buffer, with its shape; nothing extra.
-  size_t model_entries = 0;
-  for (const auto& item : ckpt) model_entries += item.first.rfind("model.", 0) == 0;
-  size_t expected = 0;
-  auto load = [&](const std::string& name, at::Tensor target) {
-    ++expected;
-    const std::string k = "model." + name;
-    if (!has_entry(ckpt, k)) {
-      throw CheckpointError("checkpoint " + path + " does not fit the configured model: it has no " +
-                            name + " (was it written with other model.* settings?)");
-    }
-    const at::Tensor& t = entry(k);
-    if (t.sizes() != target.sizes()) {
-      std::ostringstream msg;
-      msg << "checkpoint " << path << " does not fit the configured model: " << name
-          << " has shape " << t.sizes() << " there and " << target.sizes()
-          << " here (was it written with other model.* settings?)";
-      throw CheckpointError(msg.str());
-    }
-    target.copy_(t);
-  };
-  for (const auto& p : model_->named_parameters()) load(p.key(), p.value());
-  for (const auto& b : model_->named_buffers()) load(b.key(), b.value());
-  if (model_entries != expected) {
-    throw CheckpointError("checkpoint " + path + " holds " + std::to_string(model_entries) +
-                          " model tensors but the configured model has " + std::to_string(expected) +
-                          " (was it written with other model.* settings?)");
-  }
-
-  const std::string name = tensor_text(entry("optim.name"));
-  if (name != config_.get_string("optimizer.name")) {
-    throw config_.error("optimizer.name", "the checkpoint " + path + " was written with optimizer.name=" +
-                                              name + "; its state cannot be resumed by another optimizer");
-  }
-  auto own = [&](const at::Tensor& t) { return t.to(device_, /*non_blocking=*/false, /*copy=*/true); };
-  auto field = [&](const std::string& k) { return has_entry(ckpt, k) ? own(entry(k)) : at::Tensor(); };
-  auto& state = optimizer_->state();
-  for (const auto& p : model_->named_parameters()) {
-    const std::string k = "optim." + p.key() + ".";
-    if (name == "adamw") {
-      if (!has_entry(ckpt, k + "exp_avg")) continue;
-      auto s = std::make_unique<optim::FusedAdamWParamState>();
-      s->step(field(k + "step"));
-      s->exp_avg(field(k + "exp_avg"));
-      s->exp_avg_sq(field(k + "exp_avg_sq"));
-      s->max_exp_avg_sq(field(k + "max_exp_avg_sq"));
-      s->master_param(field(k + "master_param"));
-      state[p.value().unsafeGetTensorImpl()] = std::move(s);
-    } else {
-      if (!has_entry(ckpt, k + "momentum_buffer") && !has_entry(ckpt, k + "master_param")) continue;
-      auto s = std::make_unique<optim::FusedSGDParamState>();
-      s->momentum_buffer(field(k + "momentum_buffer"));
-      s->master_param(field(k + "master_param"));
-      state[p.value().unsafeGetTensorImpl()] = std::move(s);
-    }
-  }
-
-  if (scaler_->is_enabled() && has_entry(ckpt, "scaler.scale")) {
-    c10::impl::GenericDict sd(c10::StringType::get(), c10::AnyType::get());
-    for (const auto& [k, t] : ckpt) {
-      if (k.rfind("scaler.", 0) != 0) continue;
-      const std::string key = k.substr(7);
-      if (t.scalar_type() == at::kLong) {
-        sd.insert(key, c10::IValue(t.item<int64_t>()));
-      } else {
-        sd.insert(key, c10::IValue(t.item<double>()));
-      }
-    }
-    scaler_->load_state_dict(sd);
-  }
+  load_model(ckpt, path, model_);
+  load_optimizer(ckpt, path, model_, *optimizer_, config_, device_);
+  load_scaler(ckpt, *scaler_);
 
   step_ = entry("trainer.step").item<int64_t>();
   skipped_before_ = entry("trainer.skipped").item<int64_t>();
@@ -508,21 +368,43 @@ std::vector<at::Tensor> Trainer::step_batch(int64_t step) {
   const int64_t in_epoch = step % steps_per_epoch_;
   const int64_t accum = config_.get_int("train.grad_accum");
   std::vector<at::Tensor> batch;
-  for (int64_t m = 0; m < accum; ++m) batch.push_back(sampler_->indices(epoch, in_epoch, m));
+  if (loader_) {
+    for (auto& micro : loader_->take(step)) {
+      batch.push_back(std::move(micro.inputs));
+      batch.push_back(std::move(micro.targets));
+    }
+  } else {
+    for (int64_t m = 0; m < accum; ++m) batch.push_back(sampler_->indices(epoch, in_epoch, m));
+  }
   // A fill kernel on the device, not a copy from the host.
   batch.push_back(at::scalar_tensor(lr_at(step), at::TensorOptions().dtype(at::kDouble).device(device_)));
   batch.push_back(scalar(step));
   return batch;
 }
 
+std::vector<at::Tensor> Trainer::sample_batch() {
+  if (!loader_) return step_batch(step_);
+  const int64_t micro = config_.get_int("data.batch_size") / world_.world_size() /
+                        config_.get_int("train.grad_accum");
+  std::vector<at::Tensor> batch;
+  for (int64_t m = 0; m < config_.get_int("train.grad_accum"); ++m) {
+    batch.push_back(data_.train.inputs.narrow(0, 0, micro).to(device_));
+    batch.push_back(data_.train.targets.narrow(0, 0, micro).to(device_));
+  }
+  batch.push_back(at::scalar_tensor(0.0, at::TensorOptions().dtype(at::kDouble).device(device_)));
+  batch.push_back(scalar(step_));
+  return batch;
+}
+
 at::Tensor Trainer::step_body(const std::vector<at::Tensor>& batch) {
   const int64_t accum = config_.get_int("train.grad_accum");
+  const int64_t lr_slot = accum * micro_slots();
   if (graph_mode_) {
     // Inside a CUDA graph host values are frozen: the optimizer reads the
     // learning rate from lr_device_, written here from this step's input.
-    lr_device_.copy_(batch[accum]);
+    lr_device_.copy_(batch[lr_slot]);
   } else {
-    const int64_t step = batch[accum + 1].item<int64_t>();  // a CPU tensor: no sync
+    const int64_t step = batch[lr_slot + 1].item<int64_t>();  // a CPU tensor: no sync
     const double lr = lr_at(step);
     for (auto& group : optimizer_->param_groups()) group.options().set_lr(lr);
     reseed(step);
@@ -530,9 +412,14 @@ at::Tensor Trainer::step_body(const std::vector<at::Tensor>& batch) {
   optimizer_->zero_grad(/*set_to_none=*/true);
   at::Tensor step_loss = at::zeros({1}, window_loss_.options());
   for (int64_t m = 0; m < accum; ++m) {
-    const at::Tensor& idx = batch[m];
-    const at::Tensor x = data_.train.inputs.index_select(0, idx);
-    const at::Tensor y = data_.train.targets.index_select(0, idx);
+    at::Tensor x, y;
+    if (loader_) {
+      x = batch[2 * m];
+      y = batch[2 * m + 1];
+    } else {
+      x = data_.train.inputs.index_select(0, batch[m]);
+      y = data_.train.targets.index_select(0, batch[m]);
+    }
     // Gradients are averaged across ranks on the last micro-batch only.
     const std::shared_ptr<void> local_only = m + 1 < accum ? parallel_->no_sync() : nullptr;
     at::Tensor logits;
@@ -540,7 +427,7 @@ at::Tensor Trainer::step_body(const std::vector<at::Tensor>& batch) {
       const amp::AutocastGuard autocast(device_.type(), policy_);
       logits = parallel_->forward(x);
     }
-    const at::Tensor loss = loss_of(logits, y);
+    const at::Tensor loss = float32_cross_entropy(logits, y);
     const at::Tensor scaled = scaler_->scale(accum > 1 ? loss / static_cast<double>(accum) : loss);
     scaled.backward();
     step_loss.add_(loss.detach().reshape({1}), 1.0 / static_cast<double>(accum));
@@ -568,8 +455,7 @@ void Trainer::prepare_fused_steps(int64_t k) {
   o.steps_per_execution = k;
   o.use_cuda_graph = graph_mode_;  // warm-up: FusedSteps' default, >= 11 eager steps
   fused_ = std::make_unique<graph::FusedSteps>(
-      [this](const std::vector<at::Tensor>& batch) { return step_body(batch); }, step_batch(step_),
-      o);
+      [this](const std::vector<at::Tensor>& batch) { return step_body(batch); }, sample_batch(), o);
 }
 
 void Trainer::run_steps(int64_t first, int64_t n) {
@@ -616,8 +502,8 @@ void Trainer::log_window(int64_t step) {
                        {"lr", lr}, {"scale", scale}, {"skipped", skipped},
                        {"samples_per_s", rate}, {"accuracy", nullptr}, {"time_s", elapsed_s()}});
   if (rank0_ && !progress_->is_bar()) {
-    say(format("  step %ld/%ld  loss %.4f  lr %.3g  %.0f samples/s", static_cast<long>(step),
-               static_cast<long>(total_steps_), loss, lr, rate));
+    say(fmt::format("  step {}/{}  loss {:.4f}  lr {:.3g}  {:.0f} samples/s", step, total_steps_, loss,
+                    lr, rate));
   }
   window_loss_.zero_();
   window_steps_ = 0;
@@ -649,14 +535,13 @@ void Trainer::end_epoch(int64_t step, bool epoch_end) {
   const double scale = scaler_->get_scale();
   const int64_t skipped = skipped_before_ + static_cast<int64_t>(skipped_.item<float>());
   if (epoch_end) {
-    say(format("epoch %ld/%ld  loss %.4f  test loss %.4f  accuracy %.2f%%  %.0f samples/s  lr %.2e  "
-               "scale %g  skipped %ld  (%s)",
-               static_cast<long>(epoch), static_cast<long>(epochs), loss, last_eval_.loss,
-               100.0 * last_eval_.accuracy, rate, lr, scale, static_cast<long>(skipped),
-               duration_text(epoch_seconds_).c_str()));
+    say(fmt::format("epoch {}/{}  loss {:.4f}  test loss {:.4f}  accuracy {:.2f}%  {:.0f} samples/s  "
+                    "lr {:.2e}  scale {:g}  skipped {}  ({})",
+                    epoch, epochs, loss, last_eval_.loss, 100.0 * last_eval_.accuracy, rate, lr, scale,
+                    skipped, duration_text(epoch_seconds_)));
   } else {
-    say(format("  step %ld/%ld  validation loss %.4f  accuracy %.2f%%", static_cast<long>(step),
-               static_cast<long>(total_steps_), last_eval_.loss, 100.0 * last_eval_.accuracy));
+    say(fmt::format("  step {}/{}  validation loss {:.4f}  accuracy {:.2f}%", step, total_steps_,
+                    last_eval_.loss, 100.0 * last_eval_.accuracy));
   }
   Record record{{"kind", "eval"}, {"step", step}, {"epoch", epoch}, {"loss", loss}, {"lr", lr},
                 {"scale", scale}, {"skipped", skipped}, {"samples_per_s", rate},
@@ -691,33 +576,36 @@ int Trainer::run() {
 
   const int64_t batch = config_.get_int("data.batch_size");
   const int64_t epochs = (total_steps_ + steps_per_epoch_ - 1) / steps_per_epoch_;
-  say(format("fusetrain train: %s -> %s", config_.name().empty() ? "config" : config_.name().c_str(),
-             plan_.run_dir.c_str()));
-  say(format("  model %s (%ld parameters), %s: %ld train / %ld test samples",
-             config_.get_string("model.name").c_str(), static_cast<long>(count_parameters(model_)),
-             data_.description.c_str(), static_cast<long>(data_.train.size()),
-             static_cast<long>(data_.test.size())));
-  say(format("  %d rank%s on %s (%s), %d intra-op thread%s each; %s, %s, batch %ld (%ld per rank%s), "
-             "%ld epoch%s = %ld steps",
-             world_.world_size(), world_.world_size() == 1 ? "" : "s", device_.str().c_str(),
-             world_.is_distributed() ? (device_.is_cuda() ? "nccl" : "gloo") : "no group",
-             at::get_num_threads(), at::get_num_threads() == 1 ? "" : "s", policy_.name().c_str(),
-             config_.get_string("optimizer.name").c_str(), static_cast<long>(batch),
-             static_cast<long>(batch / world_.world_size()),
-             config_.get_int("train.grad_accum") > 1
-                 ? format(", %ld micro-batches", static_cast<long>(config_.get_int("train.grad_accum"))).c_str()
-                 : "",
-             static_cast<long>(epochs), epochs == 1 ? "" : "s", static_cast<long>(total_steps_)));
+  say(fmt::format("fusetrain train: {} -> {}", config_.name().empty() ? "config" : config_.name(),
+                  plan_.run_dir));
+  say(fmt::format("  model {} ({} parameters), {}: {} train / {} test samples",
+                  config_.get_string("model.name"), count_parameters(model_), data_.description,
+                  data_.train.size(), data_.test.size()));
+  const int world = world_.world_size();
+  const int threads = at::get_num_threads();
+  const int64_t accum = config_.get_int("train.grad_accum");
+  say(fmt::format("  {} rank{} on {} ({}), {} intra-op thread{} each; {}, {}, batch {} ({} per rank{}), "
+                  "{} epoch{} = {} steps",
+                  world, world == 1 ? "" : "s", device_.str(),
+                  world_.is_distributed() ? (device_.is_cuda() ? "nccl" : "gloo") : "no group", threads,
+                  threads == 1 ? "" : "s", policy_.name(), config_.get_string("optimizer.name"), batch,
+                  batch / world, accum > 1 ? fmt::format(", {} micro-batches", accum) : "", epochs,
+                  epochs == 1 ? "" : "s", total_steps_));
   if (start_step_ > 0) {
-    say(format("  resumed from %s at step %ld (epoch %ld, batch %ld)", plan_.checkpoint.c_str(),
-               static_cast<long>(start_step_), static_cast<long>(start_step_ / steps_per_epoch_ + 1),
-               static_cast<long>(start_step_ % steps_per_epoch_)));
+    say(fmt::format("  resumed from {} at step {} (epoch {}, batch {})", plan_.checkpoint, start_step_,
+                    start_step_ / steps_per_epoch_ + 1, start_step_ % steps_per_epoch_));
   }
 
   if (step_ >= total_steps_) {
-    say(format("the checkpoint is at step %ld, the end of this run (%ld steps): nothing to train",
-               static_cast<long>(step_), static_cast<long>(total_steps_)));
+    say(fmt::format("the checkpoint is at step {}, the end of this run ({} steps): nothing to train",
+                    step_, total_steps_));
     return 0;
+  }
+  const int64_t prefetch = config_.get_int("data.prefetch");
+  if (prefetch > 0) {
+    loader_ = std::make_unique<BatchLoader>(data_.train, *sampler_, steps_per_epoch_,
+                                            config_.get_int("train.grad_accum"), step_,
+                                            total_steps_, prefetch, device_);
   }
   const int64_t k = config_.get_int("train.steps_per_execution");
   const int64_t log_every = config_.get_int("train.log_every");
@@ -726,7 +614,10 @@ int Trainer::run() {
   int64_t last_eval_step = step_;
   int64_t last_log = step_, last_ckpt = step_;
   segment_start_ = Clock::now();
-  const at::Tensor stop_flag = at::zeros({1}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  const double max_time = config_.get_float("train.max_time_s");
+  // [interrupted, out of time] on some rank: every rank stops at the same step.
+  const at::Tensor stop_flags = at::zeros({2}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  bool out_of_time = false;
   prepare_fused_steps(k);
   while (step_ < total_steps_) {
     // Host synchronisation points: every K steps of an epoch and at its end.
@@ -745,9 +636,12 @@ int Trainer::run() {
     window_seconds_ += elapsed;
     epoch_seconds_ += elapsed;
 
-    stop_flag.fill_(stop_requested() ? 1.0 : 0.0);
-    world_.allreduce_max_(stop_flag);
-    const bool stop = stop_flag.item<float>() > 0;
+    stop_flags.copy_(at::tensor({stop_requested() ? 1.0F : 0.0F,
+                                 max_time > 0 && elapsed_s() >= max_time ? 1.0F : 0.0F}));
+    world_.allreduce_max_(stop_flags);
+    const at::Tensor flags = stop_flags.cpu();
+    const bool stop = flags[0].item<float>() > 0;
+    out_of_time = flags[1].item<float>() > 0 && step_ < total_steps_;
 
     if (rank0_ && progress_->is_bar()) {
       const int64_t in_epoch = (step_ - 1) % steps_per_epoch_ + 1;
@@ -766,14 +660,20 @@ int Trainer::run() {
       end_epoch(step_);
     } else if (eval_every > 0 && step_ / eval_every > last_eval_step / eval_every && !stop) {
       end_epoch(step_, /*epoch_end=*/false);
+    } else if (out_of_time && !stop) {
+      end_epoch(step_, /*epoch_end=*/false);  // the run's final validation
     }
     if (eval_every > 0) last_eval_step = step_;
     if (stop) {
       save_checkpoint("interrupted");
-      say(format("interrupted at step %ld: continue with  fusetrain train --resume %s",
-                 static_cast<long>(step_), last_checkpoint_.c_str()));
+      say(fmt::format("interrupted at step {}: continue with  fusetrain train --resume {}", step_,
+                      last_checkpoint_));
       world_.barrier();
       return 130;
+    }
+    if (out_of_time) {
+      say(fmt::format("train.max_time_s={:g} s reached at step {} of {}", max_time, step_, total_steps_));
+      break;
     }
     if (ckpt_every > 0 && step_ / ckpt_every > last_ckpt / ckpt_every && step_ < total_steps_) {
       save_checkpoint("every " + std::to_string(ckpt_every) + " steps");
@@ -782,10 +682,13 @@ int Trainer::run() {
     segment_start_ = Clock::now();
   }
   save_checkpoint("final");
-  say(format("done: %ld steps in %s; test accuracy %.2f%%, test loss %.4f; checkpoint %s",
-             static_cast<long>(total_steps_ - start_step_),
-             duration_text(std::chrono::duration<double>(Clock::now() - run_start_).count()).c_str(),
-             100.0 * last_eval_.accuracy, last_eval_.loss, last_checkpoint_.c_str()));
+  say(fmt::format("done: {} steps in {}; test accuracy {:.2f}%, test loss {:.4f}; checkpoint {}",
+                  step_ - start_step_, duration_text(elapsed_s()), 100.0 * last_eval_.accuracy,
+                  last_eval_.loss, last_checkpoint_));
+  if (loader_) {
+    say(fmt::format("  data: the steps waited {:.3f} s in all for the loader thread ({} steps ahead)",
+                    loader_->wait_seconds(), prefetch));
+  }
   world_.barrier();
   return 0;
 }
@@ -836,6 +739,11 @@ void check_before_start(const Config& config, int world_size, int local_world_si
   const std::string& data = config.get_string("data.name");
   const bool tokens = data == "text" || data == "tokens" || data == "synthetic_tokens" ||
                       (data == "synthetic" && model == "gpt");
+  if (model != "torchscript" && !config.get_string("precision.float32_modules").empty()) {
+    throw config.error("precision.float32_modules",
+                       "names submodules of a TorchScript model (model.name=torchscript); the "
+                       "built-in models have precision.float32_head");
+  }
   if (model == "torchscript") {
     const std::string& path = config.get_string("model.path");
     if (path.empty()) throw config.error("model.path", "model.name=torchscript needs the module's file");
@@ -854,51 +762,14 @@ int threads_for(const Config& config, int local_world_size) {
   return std::max(1, available_cores() / std::max(1, local_world_size));
 }
 
+at::Device device_of(const Config& config, int local_rank) {
+  if (config.get_string("runtime.device") == "cuda") return at::Device(at::kCUDA, local_rank);
+  return at::Device(at::kCPU);
+}
+
 int run_training(const Config& config, const RunPlan& plan, const Distributed& world) {
   Trainer trainer(config, plan, world);
   return trainer.run();
-}
-
-int run_eval(const std::string& checkpoint, const std::vector<std::string>& overrides,
-             const std::string& predictions_path) {
-  Config config = config_from_checkpoint(checkpoint);
-  for (const auto& o : overrides) config.apply_override(o);
-  check_before_start(config, 1, 1);
-  const at::Device device = device_of(config, 0);
-  const amp::Policy policy(config.get_string("precision.policy"));
-  const Dataset data = load_dataset(config, device);
-  Model model = make_model(config, data);
-  model->to(device);
-  const TensorDict ckpt = read_checkpoint(checkpoint);
-  {
-    at::NoGradGuard no_grad;
-    for (const auto& p : model->named_parameters()) {
-      p.value().copy_(checkpoint_entry(ckpt, "model." + p.key(), checkpoint));
-    }
-    for (const auto& b : model->named_buffers()) {
-      b.value().copy_(checkpoint_entry(ckpt, "model." + b.key(), checkpoint));
-    }
-  }
-  std::vector<at::Tensor> logits;
-  const auto t0 = Clock::now();
-  const EvalResult r = evaluate(*model, data.test, Distributed(), policy, device.type(),
-                                config.get_int("data.eval_batch_size"),
-                                predictions_path.empty() ? nullptr : &logits);
-  std::cout << format("%s (step %ld): test loss %.4f  accuracy %.2f%%  (%ld %s, %s, %s)\n",
-                      checkpoint.c_str(),
-                      static_cast<long>(checkpoint_entry(ckpt, "trainer.step", checkpoint).item<int64_t>()),
-                      r.loss, 100.0 * r.accuracy, static_cast<long>(r.count),
-                      data.is_tokens ? "tokens" : "samples", policy.name().c_str(),
-                      duration_text(std::chrono::duration<double>(Clock::now() - t0).count()).c_str());
-  if (!predictions_path.empty()) {
-    // The inputs as the model saw them (normalised images, or token ids), so
-    // the predictions can be checked against a rebuilt model.
-    write_checkpoint(predictions_path, {{"logits", at::cat(logits)},
-                                        {"targets", data.test.targets.cpu()},
-                                        {"inputs", data.test.inputs.cpu()}});
-    std::cout << "predictions: " << predictions_path << "\n";
-  }
-  return 0;
 }
 
 }  // namespace fusetrain::trainer

@@ -1,11 +1,16 @@
-// The training run: precision, optimizer, schedule, the step loop with
-// gradient accumulation, clipping and steps-per-execution, evaluation,
-// metrics, progress, checkpoints and resumption; and `fusetrain eval`.
+// The training run: precision, optimizer, schedule, and the step loop with
+// gradient accumulation, clipping, steps-per-execution, the time budget and
+// stop signals, deciding when to log, evaluate and checkpoint. What it calls
+// lives beside it: data.h and loader.h (batches), models.h and
+// torchscript_model.h, evaluate.h, state.h and checkpoint.h (what a
+// checkpoint holds, and the file), run_dir.h, metrics.h, progress.h.
 #pragma once
 
 #include "config.h"
 #include "launch.h"
 #include "run_dir.h"
+
+#include <ATen/ATen.h>
 
 #include <string>
 #include <vector>
@@ -24,10 +29,7 @@ int threads_for(const Config& config, int local_world_size);
 /// (after saving a checkpoint).
 int run_training(const Config& config, const RunPlan& plan, const Distributed& world);
 
-/// `fusetrain eval`: loads the checkpoint's model and evaluates it on the
-/// test split (config from the checkpoint, then `overrides`); writes the
-/// logits and targets to `predictions_path` when it is not empty.
-int run_eval(const std::string& checkpoint, const std::vector<std::string>& overrides,
-             const std::string& predictions_path);
+/// The device of local rank `local_rank` for runtime.device.
+at::Device device_of(const Config& config, int local_rank);
 
 }  // namespace fusetrain::trainer

@@ -293,3 +293,26 @@ def test_bad_token_files_fail_with_the_file_and_offset(tmp_path):
 def test_context_longer_than_the_model_is_an_error(tmp_path):
     p = run("train", "--config", GPT, "--run-dir", tmp_path / "r", *SMALL_GPT, "--set", "data.context=64")
     assert p.returncode == USAGE and "data.context" in p.stderr and "model.seq_len=32" in p.stderr
+
+
+# ---------------------------------------------------------------- time budget
+
+
+def test_max_time_stops_evaluates_and_checkpoints(tmp_path):
+    # A run planned for far more steps than 3 s allow: it stops at the budget
+    # with a final validation and checkpoint (exit 0), and --resume takes it on.
+    args = ("--config", GPT, "--set", "data.name=text", "--set", f"data.path={TEXT}", *SMALL_GPT,
+            "--set", "train.max_steps=100000", "--set", "train.eval_every=0",
+            "--set", "output.checkpoint_every=0")
+    cut = tmp_path / "cut"
+    p = ok(run("train", *args, "--set", "train.max_time_s=3", "--set", f"output.run_dir={cut}"))
+    assert "train.max_time_s=3 s reached at step" in p.stdout, p.stdout
+    last = records(cut, "eval")[-1]
+    assert 0 < last["step"] < 100000 and "val_bits_per_byte" in last
+    assert records(cut, "train")[-1]["time_s"] < 60
+    ckpt = sorted((cut / "checkpoints").glob("step_*.pt"))[-1]
+    assert int(torch.load(ckpt)["trainer.step"]) == last["step"]
+    resumed = tmp_path / "resumed"
+    p = ok(run("train", *args, "--set", "train.max_time_s=2", "--resume", ckpt,
+               "--set", f"output.run_dir={resumed}"))
+    assert records(resumed, "eval")[-1]["step"] > last["step"]

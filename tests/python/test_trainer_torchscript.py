@@ -58,6 +58,27 @@ MODELS_SRC = textwrap.dedent('''
             h = self.proj(x) + self.pos[: x.size(1)]
             return self.head(self.norm(self.block(h)).mean(1))
 
+    class Block(nn.Module):
+        def __init__(self, features: int):
+            super().__init__()
+            self.ln = nn.LayerNorm(features)
+            self.fc = nn.Linear(features, features)
+
+        def forward(self, x):
+            return x + self.fc(self.ln(x))
+
+    class TwoBlocks(nn.Module):
+        """Two instances of one module type (TorchScript gives them one graph)."""
+        def __init__(self, features: int = 6, classes: int = 3):
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(features), Block(features)])
+            self.head = nn.Linear(features, classes)
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x.mean(1))
+
     class ReturnsTuple(nn.Module):
         def __init__(self):
             super().__init__()
@@ -229,6 +250,60 @@ def test_master_weights_keep_layers_in_16_bits(tmp_path, models):
     assert state["model.head.1.weight"].dtype == torch.bfloat16
     assert state["model.bn.weight"].dtype == torch.float32  # normalisation stays float32
     assert all(torch.isfinite(torch.tensor(trainer_losses(run_dir))))
+
+
+def test_float32_islands_by_submodule_name(tmp_path, models):
+    # Under mixed_bfloat16, the submodules named in precision.float32_modules
+    # run in float32, as fusetrain.amp.apply_policy(float32_modules=...) runs
+    # them in Python: the same ops on the same values, so the losses agree to
+    # float32 rounding, as in float32 (rtol 2e-5). With the head left in
+    # bfloat16 the logits are rounded to 8 significant bits (relative error
+    # up to 2^-9, about 2e-3) and the losses move apart by far more.
+    import fusetrain.amp
+
+    user_models, _ = models
+    (train, x, y), (val, _, _) = data_files(tmp_path, (10, 6))
+    torch.manual_seed(0)
+    eager = user_models.TwoBlocks()
+    path = tmp_path / "model.pt"
+    torch.jit.script(eager).save(str(path))
+    islands = ["head", "blocks.0.fc", "blocks.1.fc"]
+    fusetrain.amp.apply_policy(eager, "mixed_bfloat16", float32_modules=islands)
+    reference = python_losses(eager, x, y)
+    run_dir = tmp_path / "run"
+    ok(run(*full_batch_args(run_dir, path, train, val, len(y), "--precision", "mixed_bfloat16",
+                            "--set", "precision.float32_modules=" + ",".join(islands))))
+    torch.testing.assert_close(torch.tensor(trainer_losses(run_dir)), torch.tensor(reference),
+                               rtol=2e-5, atol=2e-6)
+    # Without the islands the same run is another run: the check above can fail.
+    plain = tmp_path / "plain"
+    ok(run(*full_batch_args(plain, path, train, val, len(y), "--precision", "mixed_bfloat16")))
+    gap = (torch.tensor(trainer_losses(plain)) - torch.tensor(reference)).abs().max().item()
+    assert gap > 1e-4, gap
+
+
+@pytest.mark.parametrize("names,needle", [
+    ("nope", 'has no submodule named "nope"; it has blocks, blocks.0, blocks.0.ln'),
+    ("blocks.0.ln", "blocks.0.ln and blocks.1.ln through one graph"),
+    ("blocks", "is never called through its forward()"),  # a container
+])
+def test_float32_island_errors(tmp_path, models, names, needle):
+    user_models, _ = models
+    (train, x, y), (val, _, _) = data_files(tmp_path, (10, 6))
+    path = tmp_path / "model.pt"
+    torch.jit.script(user_models.TwoBlocks()).save(str(path))
+    run_dir = tmp_path / "run"
+    p = run(*full_batch_args(run_dir, path, train, val, len(y), "--precision", "mixed_bfloat16",
+                             "--set", f"precision.float32_modules={names}"))
+    assert p.returncode == USAGE, p.stdout + p.stderr
+    assert "precision.float32_modules" in p.stderr and needle in p.stderr, p.stderr
+    assert not run_dir.exists()
+
+
+def test_float32_modules_is_for_torchscript_models(tmp_path):
+    p = run("train", "--config", TINY, "--set", "precision.float32_modules=head",
+            "--run-dir", tmp_path / "run")
+    assert p.returncode == USAGE and "precision.float32_head" in p.stderr, p.stderr
 
 
 @pytest.mark.parametrize("arch,needle", [
