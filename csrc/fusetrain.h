@@ -10,6 +10,7 @@
 #include <fusetrain/graph/fused_steps.h>
 #include <fusetrain/nn/cross_entropy.h>
 #include <fusetrain/ops/amp.h>
+#include <fusetrain/ops/cpu_features.h>
 #include <fusetrain/ops/optim.h>
 #include <fusetrain/optim/fused.h>
 #include <fusetrain/version.h>

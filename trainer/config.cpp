@@ -269,8 +269,11 @@ const std::vector<KeySpec>& config_schema() {
       key("schedule.decay", K::kString, "cosine", "decay after the warm-up", {"cosine", "none"}),
       key("schedule.min_lr_ratio", K::kFloat, "0", "final learning rate / peak", {}, 0, 1),
 
-      key("precision.policy", K::kString, "float32", "compute precision",
-          {"float32", "mixed_float16", "mixed_bfloat16"}),
+      key("precision.policy", K::kString, "auto",
+          "compute precision (auto: mixed_bfloat16 on GPUs with bf16, mixed_float16 on older "
+          "ones; on a CPU mixed_bfloat16 where it computes bf16 natively (AMX-BF16, "
+          "AVX512-BF16), else float32; resolved at start and written to the run's config)",
+          {"auto", "float32", "mixed_float16", "mixed_bfloat16"}),
       key("precision.master_weights", K::kBool, "false",
           "keep the model in 16 bits with float32 master weights in the optimizer"),
       key("precision.float32_head", K::kBool, "true",

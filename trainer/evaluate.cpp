@@ -60,6 +60,7 @@ int run_eval(const std::string& checkpoint, const std::vector<std::string>& over
              const std::string& predictions_path) {
   Config config = config_from_checkpoint(checkpoint);
   for (const auto& o : overrides) config.apply_override(o);
+  resolve_auto_policy(config);
   check_before_start(config, 1, 1);
   const at::Device device = device_of(config, 0);
   const amp::Policy policy(config.get_string("precision.policy"));

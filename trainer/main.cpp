@@ -119,6 +119,19 @@ int run_info() {
             << "gloo: yes\n"
             << "CPU cores available: " << ft::available_cores() << "\n"
             << "intra-op threads: " << at::get_num_threads() << "\n";
+  const fusetrain::ops::CpuFeatures& cpu = fusetrain::ops::cpu_features();
+  std::cout << "CPU: " << (cpu.model.empty() ? "unknown" : cpu.model) << "; vector path "
+            << fusetrain::ops::cpu_path_name(fusetrain::ops::cpu_path()) << " (avx2 "
+            << (cpu.avx2 ? "yes" : "no") << ", avx512 " << (cpu.avx512 ? "yes" : "no")
+            << ", avx512_bf16 " << (cpu.avx512_bf16 ? "yes" : "no") << ", amx_bf16 "
+            << (cpu.amx_bf16 ? "yes" : "no") << ")\n";
+  const fusetrain::amp::Policy cpu_policy = fusetrain::amp::best_policy(c10::DeviceType::CPU);
+  std::cout << "precision.policy auto on cpu: " << cpu_policy.name() << " (" << cpu_policy.reason()
+            << ")\n";
+  if (torch::cuda::is_available()) {
+    const fusetrain::amp::Policy gpu = fusetrain::amp::best_policy(c10::DeviceType::CUDA);
+    std::cout << "precision.policy auto on cuda: " << gpu.name() << " (" << gpu.reason() << ")\n";
+  }
   return 0;
 }
 
@@ -156,7 +169,7 @@ int run_train(int argc, char** argv) {
       ("epochs", "train.epochs", cxxopts::value<std::string>())
       ("steps-per-execution", "train.steps_per_execution: steps between host synchronisations",
        cxxopts::value<std::string>())
-      ("precision", "precision.policy: float32, mixed_float16 or mixed_bfloat16",
+      ("precision", "precision.policy: auto, float32, mixed_float16 or mixed_bfloat16",
        cxxopts::value<std::string>())
       ("threads", "runtime.threads: intra-op threads per process (0: cores / processes)",
        cxxopts::value<std::string>())
@@ -201,6 +214,7 @@ int run_train(int argc, char** argv) {
   if (args.count("set")) {
     for (const auto& s : args["set"].as<std::vector<std::string>>()) config.apply_override(s);
   }
+  ft::resolve_auto_policy(config);
   if (args.count("print-config")) {
     std::cout << config.to_yaml();
     return 0;
@@ -278,6 +292,12 @@ int run_train(int argc, char** argv) {
     // checkpoint fails here before any process starts.
     const ft::RunPlan plan = ft::plan_run(config, resume);
     if (!plan.checkpoint.empty()) child.insert(child.end(), {"--resume", plan.checkpoint});
+  }
+  const std::string& policy_origin = config.origin("precision.policy");
+  if (spec.node_rank == 0 && policy_origin.rfind("auto: ", 0) == 0) {
+    // The ranks read the resolved name; the reason is said here, once.
+    std::cout << "precision.policy auto -> " << config.get_string("precision.policy") << ": "
+              << policy_origin.substr(6) << "\n";
   }
   const PrivateFile file("config.yaml", config.to_yaml());
   child.insert(child.end(), {"--config", file.path()});

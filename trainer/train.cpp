@@ -584,6 +584,10 @@ int Trainer::run() {
   const int world = world_.world_size();
   const int threads = at::get_num_threads();
   const int64_t accum = config_.get_int("train.grad_accum");
+  const std::string& policy_origin = config_.origin("precision.policy");
+  if (policy_origin.rfind("auto: ", 0) == 0) {
+    say(fmt::format("  precision.policy auto -> {}: {}", policy_.name(), policy_origin.substr(6)));
+  }
   say(fmt::format("  {} rank{} on {} ({}), {} intra-op thread{} each; {}, {}, batch {} ({} per rank{}), "
                   "{} epoch{} = {} steps",
                   world, world == 1 ? "" : "s", device_.str(),
@@ -754,6 +758,14 @@ void check_before_start(const Config& config, int world_size, int local_world_si
                                          : model + " trains on images or feature vectors: set data.name=fashion_mnist, tensors or synthetic");
   }
   check_data_available(config);
+}
+
+void resolve_auto_policy(Config& config) {
+  if (config.get_string("precision.policy") != "auto") return;
+  const bool cuda = config.get_string("runtime.device") == "cuda";
+  if (cuda && !torch::cuda::is_available()) return;
+  const amp::Policy best = amp::best_policy(cuda ? c10::DeviceType::CUDA : c10::DeviceType::CPU);
+  config.set("precision.policy", best.name(), "auto: " + best.reason());
 }
 
 int threads_for(const Config& config, int local_world_size) {

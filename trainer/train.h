@@ -22,6 +22,11 @@ namespace fusetrain::trainer {
 /// Raises UsageError naming the key.
 void check_before_start(const Config& config, int world_size, int local_world_size);
 
+/// precision.policy=auto becomes amp::best_policy() of runtime.device (its
+/// reason kept as the key's origin); other values stay. A CUDA run with no
+/// GPU visible keeps "auto" for check_before_start to report.
+void resolve_auto_policy(Config& config);
+
 /// Intra-op threads for a process sharing the machine with `local_world_size` ranks.
 int threads_for(const Config& config, int local_world_size);
 

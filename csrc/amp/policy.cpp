@@ -1,5 +1,6 @@
 // Mixed-precision policies and autocast guards over at::autocast's TLS state.
 #include <fusetrain/amp/policy.h>
+#include <fusetrain/ops/cpu_features.h>
 
 #include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
@@ -33,7 +34,9 @@ const std::vector<std::string>& Policy::names() {
 }
 
 Policy::Policy(const std::string& name) : name_(name) {
-  if (name == "float32") {
+  if (name == "auto") {
+    *this = best_policy(torch::cuda::is_available() ? c10::DeviceType::CUDA : c10::DeviceType::CPU);
+  } else if (name == "float32") {
     compute_dtype_ = at::kFloat;
   } else if (name == "mixed_float16") {
     compute_dtype_ = at::kHalf;
@@ -41,8 +44,37 @@ Policy::Policy(const std::string& name) : name_(name) {
     compute_dtype_ = at::kBFloat16;
   } else {
     TORCH_CHECK_VALUE(false, "unknown precision policy \"", name, "\"; valid names are ",
-                      join(names()));
+                      join(names()), " and \"auto\"");
   }
+}
+
+Policy best_policy(c10::DeviceType device_type) {
+  if (device_type == c10::DeviceType::CUDA) {
+    TORCH_CHECK(torch::cuda::is_available(), "best_policy: no CUDA device is visible");
+    const auto dtypes = autocast_dtypes(device_type);
+    const bool bf16 = std::find(dtypes.begin(), dtypes.end(), at::kBFloat16) != dtypes.end();
+    Policy p(bf16 ? "mixed_bfloat16" : "mixed_float16");
+    p.reason_ = bf16 ? "the GPU computes bfloat16 (compute capability 8.0 or newer): no loss "
+                       "scaling needed"
+                     : "the GPU has no bfloat16 (compute capability below 8.0): float16 with "
+                       "loss scaling";
+    return p;
+  }
+  TORCH_CHECK_VALUE(device_type == c10::DeviceType::CPU, "best_policy: no policy for ",
+                    c10::DeviceTypeName(device_type, /*lower_case=*/true));
+  const ops::CpuFeatures& f = ops::cpu_features();
+  const std::string cpu = f.model.empty() ? "this CPU" : f.model;
+  if (f.amx_bf16 || f.avx512_bf16) {
+    Policy p("mixed_bfloat16");
+    p.reason_ = cpu + " computes bfloat16 natively (" +
+                (f.amx_bf16 ? std::string("AMX-BF16") : std::string("AVX512-BF16")) +
+                "): bf16 convolutions and matmuls run faster than float32";
+    return p;
+  }
+  Policy p("float32");
+  p.reason_ = cpu + " has no native bfloat16 (AMX-BF16, AVX512-BF16): bf16 convolutions and "
+                    "matmuls would be emulated, slower than float32";
+  return p;
 }
 
 void set_global_policy(const Policy& policy) {

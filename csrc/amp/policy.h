@@ -13,26 +13,44 @@ namespace fusetrain::amp {
 ///   "float32"          compute float32, variables float32
 ///   "mixed_float16"    compute float16, variables float32 (use a GradScaler)
 ///   "mixed_bfloat16"   compute bfloat16, variables float32
+///   "auto"             best_policy() of the default device (CUDA when one
+///                      is visible, else the CPU), resolved at construction
 class Policy {
  public:
   /// Throws c10::Error (ValueError in Python) listing the valid names.
   explicit Policy(const std::string& name = "float32");
 
+  /// One of the three concrete names ("auto" has been resolved).
   const std::string& name() const { return name_; }
+  /// Why "auto" chose this policy; empty for a policy named directly.
+  const std::string& reason() const { return reason_; }
   at::ScalarType compute_dtype() const { return compute_dtype_; }
   at::ScalarType variable_dtype() const { return at::kFloat; }
   /// True unless the policy is "float32".
   bool is_mixed() const { return compute_dtype_ != at::kFloat; }
 
+  /// The concrete names; "auto" is accepted besides them.
   static const std::vector<std::string>& names();
 
   bool operator==(const Policy& other) const { return name_ == other.name_; }
   bool operator!=(const Policy& other) const { return !(*this == other); }
 
  private:
+  friend Policy best_policy(c10::DeviceType device_type);
   std::string name_;
+  std::string reason_;
   at::ScalarType compute_dtype_;
 };
+
+/// The policy that trains fastest on `device_type` at float32's accuracy, with
+/// its reason():
+///   CUDA: mixed_bfloat16 where the GPU computes bfloat16 (compute capability
+///         8.0 or newer), else mixed_float16;
+///   CPU:  mixed_bfloat16 where the CPU computes bfloat16 natively (AMX-BF16
+///         or AVX512-BF16, the instructions oneDNN's bf16 convolutions and
+///         matmuls use), else float32 (without them bf16 is emulated and
+///         slower than float32).
+Policy best_policy(c10::DeviceType device_type);
 
 /// The process-wide default policy ("float32" until set).
 void set_global_policy(const Policy& policy);

@@ -84,6 +84,22 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "fusetrain's C++ core";
   m.def("version", &fusetrain::version);
   m.def("compiled_with_cuda", &fusetrain::compiled_with_cuda);
+  m.def("best_policy", [](const std::string& device) {
+    const fusetrain::amp::Policy p = fusetrain::amp::best_policy(parse_device_type(device));
+    return py::make_tuple(p.name(), p.reason());
+  }, py::arg("device_type"));
+  m.def("cpu_features", [] {
+    const fusetrain::ops::CpuFeatures& f = fusetrain::ops::cpu_features();
+    py::dict d;
+    d["model"] = f.model;
+    d["avx2"] = f.avx2;
+    d["avx512"] = f.avx512;
+    d["avx512_bf16"] = f.avx512_bf16;
+    d["avx512_fp16"] = f.avx512_fp16;
+    d["amx_bf16"] = f.amx_bf16;
+    d["path"] = fusetrain::ops::cpu_path_name(fusetrain::ops::cpu_path());
+    return d;
+  });
 
   py::class_<GradScaler>(m, "GradScalerCore")
       .def(py::init([](const std::string& device, double init_scale, double growth_factor,

@@ -23,6 +23,7 @@ from . import _C
 
 __all__ = [
     "Policy",
+    "best_policy",
     "set_global_policy",
     "global_policy",
     "autocast",
@@ -50,19 +51,34 @@ class Policy:
     - ``"mixed_float16"``: compute in float16, variables in float32. Use a
       :class:`GradScaler`: fp16 gradients underflow without loss scaling.
     - ``"mixed_bfloat16"``: compute in bfloat16, variables in float32.
+    - ``"auto"``: :func:`best_policy` of the default device (CUDA when one is
+      visible, else the CPU); the policy takes that name, and :attr:`reason`
+      says why.
     """
 
     def __init__(self, name: str):
         if isinstance(name, Policy):
-            name = name.name
+            self._name, self._reason = name._name, name._reason
+            return
+        if name == "auto":
+            chosen = best_policy()
+            self._name, self._reason = chosen._name, chosen._reason
+            return
         if name not in _POLICY_DTYPES:
             valid = ", ".join(f'"{n}"' for n in _POLICY_DTYPES)
-            raise ValueError(f'unknown precision policy "{name}"; valid names are {valid}')
+            raise ValueError(f'unknown precision policy "{name}"; valid names are {valid} and "auto"')
         self._name = name
+        self._reason = None
 
     @property
     def name(self) -> str:
+        """One of the three concrete names ("auto" is resolved)."""
         return self._name
+
+    @property
+    def reason(self) -> Optional[str]:
+        """Why ``"auto"`` chose this policy; None for a policy named directly."""
+        return self._reason
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -84,6 +100,31 @@ class Policy:
 
     def __repr__(self) -> str:
         return f'Policy("{self._name}")'
+
+
+def best_policy(device: Union[torch.device, str, None] = None) -> Policy:
+    """The policy that trains fastest on ``device`` at float32's accuracy
+    (default: CUDA when visible, else the CPU), with its :attr:`Policy.reason`:
+
+    - CUDA: ``"mixed_bfloat16"`` where the GPU computes bfloat16 (compute
+      capability 8.0 or newer), else ``"mixed_float16"``;
+    - CPU: ``"mixed_bfloat16"`` where the CPU computes bfloat16 natively
+      (AMX-BF16 or AVX512-BF16), else ``"float32"``: without those
+      instructions bf16 convolutions and matmuls are emulated, slower than
+      float32.
+
+    The same choice as the C++ ``fusetrain::amp::best_policy`` and the
+    trainer's ``precision.policy: auto``.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device_type = torch.device(device).type
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"best_policy: no policy for device type {device_type!r} (cpu or cuda)")
+    name, reason = _C.best_policy(device_type)
+    policy = Policy(name)
+    policy._reason = reason
+    return policy
 
 
 _global_policy = Policy("float32")
