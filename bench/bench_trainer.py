@@ -11,10 +11,11 @@ Python loop, and the default run's mixed_bfloat16 vs float32 accuracy.
    Python loop (median over windows of the same size), in float32 and in
    mixed_bfloat16. Trainer and Python runs alternate. Goal: at least 1.0x.
 2. The background loader (data.prefetch, issue 13): the same trainer runs
-   with the loader thread (data.prefetch=2, the default: batches gathered on
-   a thread of their own, through pinned memory and a copy stream on CUDA)
-   against data.prefetch=0 (each step gathers its batch itself, from data on
-   the device), on the CNN and on the character GPT of configs/gpt_text.yaml.
+   with the loader thread (data.prefetch=2, the default on CUDA: batches
+   gathered on a thread of their own, through pinned memory and a copy stream)
+   against data.prefetch=0 (the default on a CPU: each step gathers its batch
+   itself, from data on the device), on the CNN and on the character GPT of
+   configs/gpt_text.yaml.
    Step time = 1 / steps per second from metrics.jsonl. On the GPU box, the
    loader's host-to-device path against device-resident data, eager and with
    CUDA graphs.
@@ -248,7 +249,7 @@ def loader_rows(ctx: Context) -> list:
                 f"trainer step with the loader thread vs without, {label}{' cuda' if cuda else ''}",
                 ours=step_on, torch_=step_off, unit="ms/step", higher_is_better=False,
                 notes=(f"fusetrain train, {where}, {steps} steps, median of {window}-step windows over "
-                       f"{repeats} run(s) each; ours = data.prefetch=2 (default: host data, a loader thread"
+                       f"{repeats} run(s) each; ours = data.prefetch=2 (host data, a loader thread"
                        f"{', pinned memory + copy stream' if cuda else ''}), baseline = data.prefetch=0 "
                        f"(data on the device, gathered in the step)"
                        + (f"; corpus {corpus}" if config == GPT_TEXT else "")),

@@ -215,11 +215,13 @@ const std::vector<KeySpec>& config_schema() {
       key("data.batch_size", K::kInt, "128",
           "global batch per optimizer step, split over ranks and accumulation micro-batches", {},
           1, 1 << 24),
-      key("data.prefetch", K::kInt, "2",
+      key("data.prefetch", K::kInt, "-1",
           "steps whose batches a background thread prepares ahead of the training step, from the "
           "training data in host memory (on CUDA through pinned memory and a copy stream); 0: no "
-          "loader thread, the training data on the device and each step gathering its own batch",
-          {}, 0, 1024),
+          "loader thread, the training data on the device and each step gathering its own batch; "
+          "-1: 2 on CUDA, 0 on a CPU (where a third thread beside the step's costs more than the "
+          "gather it saves)",
+          {}, -1, 1024),
       key("data.eval_batch_size", K::kInt, "1000", "samples per evaluation forward, per rank", {},
           1, 1 << 24),
       key("data.train_samples", K::kInt, "0",

@@ -95,6 +95,11 @@ class Trainer {
   std::vector<at::Tensor> step_batch(int64_t step);
   /// A batch of step_batch's shapes that takes nothing from the loader.
   std::vector<at::Tensor> sample_batch();
+  /// data.prefetch, -1 resolved: 2 on a device, 0 on the CPU.
+  int64_t prefetch() const {
+    const int64_t p = config_.get_int("data.prefetch");
+    return p >= 0 ? p : (device_.is_cpu() ? 0 : 2);
+  }
   /// Tensors per micro-batch in a step's batch: 2 with the loader, else 1.
   int64_t micro_slots() const { return loader_ ? 2 : 1; }
   /// One optimizer step over `batch` (see step_batch); returns its loss.
@@ -165,7 +170,7 @@ void Trainer::build() {
   torch::manual_seed(static_cast<uint64_t>(seed));
   // With the loader the training data stays in host memory (a device needs
   // room only for the batches in flight).
-  const bool loader = config_.get_int("data.prefetch") > 0;
+  const bool loader = prefetch() > 0;
   const at::Device data_device = loader ? at::Device(at::kCPU) : device_;
   data_ = load_dataset(config_, device_, data_device);
   model_ = make_model(config_, data_);
@@ -605,7 +610,7 @@ int Trainer::run() {
                     step_, total_steps_));
     return 0;
   }
-  const int64_t prefetch = config_.get_int("data.prefetch");
+  const int64_t prefetch = this->prefetch();
   if (prefetch > 0) {
     loader_ = std::make_unique<BatchLoader>(data_.train, *sampler_, steps_per_epoch_,
                                             config_.get_int("train.grad_accum"), step_,

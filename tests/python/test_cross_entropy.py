@@ -338,6 +338,37 @@ def test_torch_compile_traces_the_ops():
     assert torch.equal(a.grad, b.grad)
 
 
+def test_large_gradients_reuse_only_freed_blocks():
+    # Gradients of 16 MiB and more come from a cache of freed blocks (Note
+    # [Gradient block cache]): a live gradient must never be handed out
+    # again, and a reused block must hold the new gradient, not the old one.
+    n, c = 64, 65536  # 16 MiB of float32
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(n, c, generator=g).requires_grad_() for _ in range(3)]
+    t = torch.randint(0, c, (n,), generator=g)
+    refs = []
+    for x in xs:
+        ref = x.detach().clone().requires_grad_()
+        F.cross_entropy(ref, t).backward()
+        refs.append(ref.grad)
+    FF.softmax_cross_entropy(xs[0], t).backward()
+    kept = xs[0].grad.clone()
+    FF.softmax_cross_entropy(xs[1], t).backward()  # xs[0].grad still alive
+    assert xs[0].grad.data_ptr() != xs[1].grad.data_ptr()
+    assert torch.equal(xs[0].grad, kept)
+    freed = xs[1].grad.data_ptr()
+    xs[1].grad = None  # its block goes back to the cache...
+    FF.softmax_cross_entropy(xs[2], t).backward()  # ...and serves this one
+    assert xs[2].grad.data_ptr() == freed
+    kept2 = xs[2].grad.clone()
+    x4 = torch.randn(n, c, generator=g).requires_grad_()
+    FF.softmax_cross_entropy(x4, t).backward()  # the reused block is live again: not for x4
+    assert x4.grad.data_ptr() not in (xs[0].grad.data_ptr(), xs[2].grad.data_ptr())
+    assert torch.equal(xs[2].grad, kept2)
+    for x, ref in zip((xs[0], xs[2]), (refs[0], refs[2])):
+        torch.testing.assert_close(x.grad, ref, rtol=1e-5, atol=1e-7)
+
+
 def test_scalar_cpu_path_matches_vector_path(tmp_path):
     """ATEN_CPU_CAPABILITY=default selects the portable scalar loops (see
     Note [Cross-entropy CPU vectorization]); both must agree."""

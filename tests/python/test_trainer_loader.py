@@ -106,7 +106,7 @@ def test_resume_with_the_loader_starts_it_at_the_checkpoint(tmp_path):
 
 
 def test_negative_prefetch_is_a_usage_error(tmp_path):
-    p = run("train", "--config", TINY, "--set", "data.prefetch=-1", "--set",
+    p = run("train", "--config", TINY, "--set", "data.prefetch=-2", "--set",
             f"output.run_dir={tmp_path / 'run'}")
     assert p.returncode == USAGE, p.stdout + p.stderr
     assert "data.prefetch" in p.stderr
