@@ -11,6 +11,7 @@ parameters overflowed, and offers ``max_scale`` and ``hysteresis``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 from collections import abc
@@ -168,28 +169,54 @@ def _check_autocast_supported(device_type: str, dtype: torch.dtype) -> None:
         raise RuntimeError(f'autocast is not available on device type "{device_type}"')
 
 
-@contextlib.contextmanager
-def autocast(policy: Union[Policy, str, None] = None, device_type: Optional[str] = None):
+@functools.lru_cache(maxsize=None)
+def _autocast_checked(device_type: str, dtype: torch.dtype) -> bool:
+    """Checks once per (device type, dtype) that autocast runs there, and that
+    torch would not disable it with a mere warning; raises otherwise."""
+    _check_autocast_supported(device_type, dtype)
+    with warnings.catch_warnings():
+        # torch disables autocast with only a warning when it cannot run it.
+        warnings.filterwarnings("error", message=".*[Dd]isabl.*autocast.*")
+        torch.autocast(device_type=device_type, dtype=dtype)
+    return True
+
+
+class autocast(contextlib.ContextDecorator):
     """Runs the block under ``policy`` (default: the global policy).
 
     A mixed policy enables ``torch.autocast`` in its compute dtype on
     ``device_type`` (default: ``"cuda"`` when available, else ``"cpu"``); the
     ``"float32"`` policy disables autocast. A policy the device cannot run is
-    a ``RuntimeError``, never a silent fall-back to float32.
+    a ``RuntimeError``, never a silent fall-back to float32. Also a
+    decorator; re-entrant. (A class rather than a generator: entering and
+    leaving costs about what ``torch.autocast`` costs, which shows on small
+    models.)
     """
-    policy = global_policy() if policy is None else Policy(policy)
-    device_type = device_type or _default_device_type()
-    if not policy.is_mixed:
-        with torch.autocast(device_type=device_type, enabled=False):
-            yield
-        return
-    _check_autocast_supported(device_type, policy.compute_dtype)
-    with warnings.catch_warnings():
-        # torch disables autocast with only a warning when it cannot run it.
-        warnings.filterwarnings("error", message=".*[Dd]isabl.*autocast.*")
-        ctx = torch.autocast(device_type=device_type, dtype=policy.compute_dtype)
-    with ctx:
-        yield
+
+    __slots__ = ("_device_type", "_dtype", "_mixed", "_active")
+
+    def __init__(self, policy: Union[Policy, str, None] = None, device_type: Optional[str] = None):
+        if policy is None:
+            policy = global_policy()
+        elif not isinstance(policy, Policy):
+            policy = Policy(policy)
+        self._device_type = device_type or _default_device_type()
+        self._mixed = policy.is_mixed
+        self._dtype = policy.compute_dtype
+        if self._mixed:
+            _autocast_checked(self._device_type, self._dtype)
+        self._active = []
+
+    def __enter__(self) -> None:
+        if self._mixed:
+            ctx = torch.autocast(device_type=self._device_type, dtype=self._dtype)
+        else:
+            ctx = torch.autocast(device_type=self._device_type, enabled=False)
+        ctx.__enter__()
+        self._active.append(ctx)
+
+    def __exit__(self, *exc):
+        return self._active.pop().__exit__(*exc)
 
 
 # ---------------------------------------------------------- float32 islands
