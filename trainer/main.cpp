@@ -321,13 +321,13 @@ std::optional<cxxopts::ParseResult> parse_command(cxxopts::Options& options, int
 int run_export(int argc, char** argv) {
   cxxopts::Options options("fusetrain export",
                            "Write a checkpoint's trained model for Python: a state dict "
-                           "(Module.load_state_dict) or, for model.name=torchscript, a "
-                           "TorchScript file (torch.jit.load).");
+                           "(Module.load_state_dict) or a TorchScript file (torch.jit.load).");
   options.add_options()
       ("checkpoint", "checkpoint written by fusetrain train", cxxopts::value<std::string>())
       ("state-dict", "write the model's parameters and buffers, by their names, to this file",
        cxxopts::value<std::string>())
-      ("torchscript", "write the trained TorchScript module to this file (model.name=torchscript)",
+      ("torchscript", "write the trained model as a TorchScript module to this file (the run's own "
+                      "module for model.name=torchscript; a trace in eval mode for the built-in models)",
        cxxopts::value<std::string>())
       ("h,help", "show this help");
   const auto parsed = parse_command(options, argc, argv);
@@ -350,12 +350,11 @@ int run_export(int argc, char** argv) {
     ft::write_tensor_dict(out, state);
     std::cout << "state dict of " << state.size() << " tensors -> " << out << "\n";
   }
-  if (args.count("torchscript")) {
-    if (config.get_string("model.name") != "torchscript") {
-      throw ft::UsageError("--torchscript exports a model.name=torchscript run; this checkpoint's "
-                           "model is " + config.get_string("model.name") +
-                           " (export its weights with --state-dict)");
-    }
+  if (args.count("torchscript") && config.get_string("model.name") != "torchscript") {
+    const std::string out = args["torchscript"].as<std::string>();
+    const std::string what = ft::export_traced_torchscript(checkpoint, out);
+    std::cout << "TorchScript module (" << what << ") -> " << out << "\n";
+  } else if (args.count("torchscript")) {
     const std::string out = args["torchscript"].as<std::string>();
     ft::export_torchscript(checkpoint, config.get_string("model.path"), out);
     std::cout << "TorchScript module (" << config.get_string("model.path") << ", trained) -> "

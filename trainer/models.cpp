@@ -214,13 +214,15 @@ class GptBlockImpl : public nn::Module {
         heads_(heads),
         dropout_(dropout) {}
 
+  // No batch or sequence sizes taken from x (only the width, a constant of
+  // the model): a trace of it runs on any batch and length.
   at::Tensor forward(const at::Tensor& x) {
-    const int64_t b = x.size(0), t = x.size(1), d = x.size(2);
-    const at::Tensor qkv_out = qkv(ln1(x)).view({b, t, 3, heads_, d / heads_}).permute({2, 0, 3, 1, 4});
+    const int64_t d = x.size(2);
+    const at::Tensor qkv_out = qkv(ln1(x)).unflatten(-1, {3, heads_, d / heads_}).permute({2, 0, 3, 1, 4});
     const at::Tensor y = at::scaled_dot_product_attention(
         qkv_out[0], qkv_out[1], qkv_out[2], /*attn_mask=*/{}, is_training() ? dropout_ : 0.0,
         /*is_causal=*/true);
-    at::Tensor h = x + dropout(proj(y.transpose(1, 2).reshape({b, t, d})));
+    at::Tensor h = x + dropout(proj(y.transpose(1, 2).flatten(2)));
     return h + dropout(fc_proj(at::gelu(fc(ln2(h)))));
   }
 
@@ -277,12 +279,23 @@ class GptImpl : public ModelImpl {
     const int64_t t = idx.size(1);
     TORCH_CHECK(t <= seq_len_, "gpt: sequence of ", t, " tokens is longer than model.seq_len=",
                 seq_len_);
-    at::Tensor x = tok_emb_(idx) + pos_emb_.narrow(0, 0, t);
+    return body(tok_emb_(idx) + pos_emb_.narrow(0, 0, t));
+  }
+
+  // The positions' rows gathered by index rather than narrowed to the
+  // input's length (a size a trace would freeze): the same values; not used
+  // for training, whose gradient would sum over the batch in another order.
+  at::Tensor forward_for_trace(const at::Tensor& idx) override {
+    const at::Tensor positions = at::ones_like(idx).cumsum(1) - 1;
+    return body(tok_emb_(idx) + at::embedding(pos_emb_, positions));
+  }
+
+ private:
+  at::Tensor body(at::Tensor x) {
     for (const auto& block : *blocks_) x = block->as<GptBlockImpl>()->forward(x);
     return apply_head(ln_f_(x));
   }
 
- private:
   int64_t seq_len_ = 0;
   nn::Embedding tok_emb_{nullptr};
   at::Tensor pos_emb_;

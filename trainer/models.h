@@ -25,6 +25,10 @@ namespace fusetrain::trainer {
 class ModelImpl : public torch::nn::Module {
  public:
   virtual at::Tensor forward(const at::Tensor& x) = 0;
+  /// The same function written without sizes taken from `x` (which a trace
+  /// would freeze): what `fusetrain export --torchscript` traces. Models
+  /// whose forward already takes none keep forward().
+  virtual at::Tensor forward_for_trace(const at::Tensor& x) { return forward(x); }
 
  protected:
   /// Registers the final layer as "head", in float32 when `float32`.

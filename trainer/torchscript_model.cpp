@@ -2,9 +2,12 @@
 #include "torchscript_model.h"
 
 #include "checkpoint.h"
+#include "run_dir.h"
+#include "state.h"
 
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/jit/api/function_impl.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/jit/passes/autocast.h>
 #include <torch/csrc/jit/python/update_graph_executor_opt.h>
@@ -315,6 +318,76 @@ bool is_torchscript_weight_layer(const torch::nn::Module& module) {
   return false;
 }
 
+namespace {
+
+/// Atomically, as checkpoints: a crash leaves the old file or the new one.
+void save_atomically(const torch::jit::Module& module, const std::string& out) {
+  const std::string tmp = out + ".tmp" + std::to_string(::getpid());
+  module.save(tmp);
+  if (std::rename(tmp.c_str(), out.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    throw std::runtime_error("cannot write " + out + ": " + std::strerror(errno));
+  }
+}
+
+/// A TorchScript module tree of `m`'s shape holding `m`'s own tensors (so a
+/// trace of `m` reads them as the module's attributes).
+torch::jit::Module mirror_as_script(const torch::nn::Module& m, const std::string& type,
+                                    const std::shared_ptr<torch::jit::CompilationUnit>& cu) {
+  torch::jit::Module out(c10::QualifiedName("__torch__.fusetrain." + type), cu, /*shouldMangle=*/true);
+  for (const auto& p : m.named_parameters(/*recurse=*/false)) {
+    out.register_parameter(p.key(), p.value(), /*is_buffer=*/false);
+  }
+  for (const auto& b : m.named_buffers(/*recurse=*/false)) out.register_buffer(b.key(), b.value());
+  for (const auto& c : m.named_children()) {
+    out.register_module(c.key(), mirror_as_script(*c.value(), "Part", cu));
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string export_traced_torchscript(const std::string& checkpoint, const std::string& out) {
+  const Config config = config_from_checkpoint(checkpoint);
+  const TensorDict ckpt = read_checkpoint(checkpoint);
+  const std::string& name = config.get_string("model.name");
+  // The shapes the model was built for, as load_checkpoint.py reads them.
+  Dataset shapes;
+  const at::Tensor input_shape = checkpoint_entry(ckpt, "data.input_shape", checkpoint);
+  shapes.input_shape.assign(input_shape.const_data_ptr<int64_t>(),
+                            input_shape.const_data_ptr<int64_t>() + input_shape.numel());
+  shapes.num_classes = checkpoint_entry(ckpt, "data.num_classes", checkpoint).item<int64_t>();
+  shapes.is_tokens = name == "gpt";
+  Model model = make_model(config, shapes);
+  load_model(ckpt, checkpoint, model);
+  model->to(at::kFloat);  // master-weight runs keep 16-bit layers; the export is float32
+  model->eval();
+
+  auto cu = std::make_shared<torch::jit::CompilationUnit>();
+  torch::jit::Module script = mirror_as_script(*model, name == "gpt" ? "Gpt" : name == "cnn" ? "Cnn"
+                                                             : name == "mlp" ? "Mlp" : "ResNet", cu);
+  std::vector<int64_t> example_shape = {2};
+  example_shape.insert(example_shape.end(), shapes.input_shape.begin(), shapes.input_shape.end());
+  const at::Tensor example = shapes.is_tokens ? at::zeros(example_shape, at::kLong)
+                                              : at::zeros(example_shape, at::kFloat);
+  at::NoGradGuard no_grad;
+  auto traced = torch::jit::tracer::trace(
+      {example},
+      [&](torch::jit::Stack in) -> torch::jit::Stack {
+        return {model->forward_for_trace(in.at(0).toTensor())};
+      },
+      [](const at::Tensor&) { return std::string(); }, /*strict=*/true, /*force_outplace=*/false,
+      &script);
+  auto fn = cu->create_function(c10::QualifiedName(*script.type()->name(), "forward"),
+                                traced.first->graph);
+  script.type()->addMethod(fn);
+  save_atomically(script, out);
+  return name + " traced in eval mode, input [N" +
+         std::string(shapes.is_tokens ? ", T <= " + std::to_string(config.get_int("model.seq_len")) + "] token ids"
+                                      : ", " + c10::str(c10::IntArrayRef(shapes.input_shape)).substr(1)) +
+         " -> logits";
+}
+
 void export_torchscript(const std::string& checkpoint, const std::string& module_path,
                         const std::string& out) {
   const TensorDict ckpt = read_checkpoint(checkpoint);
@@ -327,13 +400,7 @@ void export_torchscript(const std::string& checkpoint, const std::string& module
   for (const auto& b : module.named_buffers()) {
     b.value.copy_(checkpoint_entry(ckpt, "model." + b.name, checkpoint));
   }
-  // Atomically, as checkpoints: a crash leaves the old file or the new one.
-  const std::string tmp = out + ".tmp" + std::to_string(::getpid());
-  module.save(tmp);
-  if (std::rename(tmp.c_str(), out.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    throw std::runtime_error("cannot write " + out + ": " + std::strerror(errno));
-  }
+  save_atomically(module, out);
 }
 
 }  // namespace fusetrain::trainer

@@ -31,4 +31,12 @@ bool is_torchscript_weight_layer(const torch::nn::Module& module);
 void export_torchscript(const std::string& checkpoint, const std::string& module_path,
                         const std::string& out);
 
+/// A built-in model (mlp, cnn, resnet, gpt) of `checkpoint`, with its trained
+/// tensors, as a TorchScript module traced in eval mode (batch norm on its
+/// running statistics, no dropout) under the state-dict names of
+/// python/fusetrain/load_checkpoint.py's modules; saved atomically to `out`.
+/// The trace takes no sizes from its input: any batch (and, for gpt, any
+/// length up to model.seq_len) runs. Returns a line describing it.
+std::string export_traced_torchscript(const std::string& checkpoint, const std::string& out);
+
 }  // namespace fusetrain::trainer

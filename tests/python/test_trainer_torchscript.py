@@ -420,3 +420,48 @@ def test_scripted_language_model_trains_as_in_python(tmp_path):
         opt.step()
     torch.testing.assert_close(torch.tensor(trainer_losses(run_dir)), torch.tensor(reference),
                                rtol=2e-5, atol=2e-6)
+
+
+# ---------------------------------------------------------------- built-in models
+
+
+GPT_CONFIG = ROOT / "configs" / "gpt_tiny.yaml"
+TEXT = Path("/usr/share/common-licenses/GPL-3")
+FASHION = Path(os.environ.get("FUSETRAIN_FASHION_MNIST", "/usr/share/datasets/fashion-mnist"))
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn", "resnet", "gpt"])
+def test_builtin_models_export_as_torchscript(tmp_path, model):
+    # `export --torchscript` traces a built-in model in eval mode; the
+    # reference is the same checkpoint rebuilt as a Python module by
+    # fusetrain.load_checkpoint: same state-dict keys, same logits (float32
+    # rounding: the same ops, a few in another order) on a batch size, and
+    # for gpt a length, other than the trace's, so that no size was frozen.
+    from fusetrain.load_checkpoint import load_model
+
+    if model == "gpt":
+        args = ("--config", GPT_CONFIG, "--set", "data.name=text", "--set", f"data.path={TEXT}",
+                "--set", "model.d_model=32", "--set", "model.n_layer=2", "--set", "model.n_head=2",
+                "--set", "model.seq_len=32", "--set", "train.max_steps=6")
+        inputs = [torch.randint(0, 256, (3, 17)), torch.randint(0, 256, (1, 32))]
+    elif model == "resnet":
+        args = ("--config", TINY, "--set", "model.name=resnet", "--set", "model.depth=18",
+                "--set", "model.width=8", "--set", "data.name=synthetic_images", "--set", "data.image_size=8",
+                "--set", "data.train_samples=128", "--set", "data.test_samples=64", "--set", "train.max_steps=4")
+        inputs = [torch.randn(5, 3, 8, 8)]
+    else:
+        if not (FASHION / "train-images-idx3-ubyte.gz").exists():
+            pytest.skip("Fashion-MNIST is not installed")
+        args = ("--config", TINY, "--set", f"model.name={model}", "--set", "train.max_steps=8")
+        inputs = [torch.randn(5, 1, 28, 28)]
+    run_dir = tmp_path / "run"
+    ok(run("train", *args, "--run-dir", run_dir))
+    ckpt = sorted((run_dir / "checkpoints").glob("step_*.pt"))[-1]
+    p = ok(run("export", "--checkpoint", ckpt, "--torchscript", tmp_path / "m.pt"))
+    assert f"{model} traced in eval mode" in p.stdout
+    traced = torch.jit.load(str(tmp_path / "m.pt"))
+    reference = load_model(str(ckpt)).eval()
+    assert sorted(traced.state_dict()) == sorted(reference.state_dict())
+    with torch.no_grad():
+        for x in inputs:
+            torch.testing.assert_close(traced(x), reference(x), rtol=1e-5, atol=1e-5)
