@@ -2,6 +2,8 @@
 // per-rank batch sampler.
 #include "data.h"
 
+#include "run_dir.h"
+
 #include "data_files.h"
 
 #include <ATen/core/DistributionsHelper.h>
@@ -13,7 +15,6 @@
 #include <cstring>
 #include <fstream>
 #include <sstream>
-#include <sys/stat.h>
 
 namespace fusetrain::trainer {
 
@@ -23,10 +24,7 @@ constexpr int64_t kSyntheticTrain = 10000;
 constexpr int64_t kSyntheticTest = 2000;
 constexpr const char* kFashionPackage = "dataset-fashion-mnist";
 
-bool file_exists(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
-}
+bool file_exists(const std::string& path) { return is_file(path); }
 
 
 at::Generator generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }

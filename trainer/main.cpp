@@ -25,10 +25,10 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <optional>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #ifndef FUSETRAIN_CONFIG_DIR
@@ -58,8 +58,8 @@ const std::vector<std::pair<std::string, std::string>> kFlagKeys = {
 };
 
 bool exists(const std::string& path) {
-  struct stat st {};
-  return ::stat(path.c_str(), &st) == 0;
+  std::error_code ec;
+  return std::filesystem::exists(path, ec);
 }
 
 /// A path as given, or the name of a shipped config ("tiny", "tiny.yaml").

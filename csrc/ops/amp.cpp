@@ -3,6 +3,7 @@
 // and the Meta ones used by torch.compile's tracing.
 #include <fusetrain/ops/amp.h>
 #include <fusetrain/ops/checks.h>
+#include <fusetrain/ops/cpu_features.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -135,11 +136,8 @@ bool unscale_span(T* x, int64_t n, float inv, bool scale) {
 // detection reads the stored bits: |x| >= the exponent mask (unsigned max).
 #define FUSETRAIN_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
-bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c");
-  return has;
-}
+// See Note [CPU paths] (cpu_features.h): the CPU's best, or the one forced.
+bool cpu_has_avx2() { return cpu_path() >= CpuPath::kAvx2; }
 
 FUSETRAIN_AVX2_TARGET uint32_t hmax_epu32(__m256i v) {
   alignas(32) uint32_t lanes[8];

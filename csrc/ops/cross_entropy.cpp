@@ -7,10 +7,11 @@
 // falls back to scalar loops (torch builds its own kernels once per CPU
 // capability). The row loops here are therefore written with AVX2/FMA/F16C
 // intrinsics in functions carrying a target attribute, chosen at run time
-// when torch itself would pick its AVX2 (or AVX-512) kernels: the same
-// ATEN_CPU_CAPABILITY environment variable forces the portable scalar loops,
-// which is how the tests cover both.
+// where the CPU has AVX2 (cpu_path(), Note [CPU paths]): FUSETRAIN_CPU_PATH
+// (or ATEN_CPU_CAPABILITY=default) forces the portable scalar loops, which is
+// how the tests cover both.
 #include <fusetrain/ops/checks.h>
+#include <fusetrain/ops/cpu_features.h>
 #include <fusetrain/ops/cross_entropy.h>
 
 #include <ATen/Parallel.h>
@@ -352,15 +353,10 @@ FUSETRAIN_AVX2 void row_grad_avx2(const T* x, int64_t c, float lse, float scale,
 
 #endif  // FUSETRAIN_CE_HAVE_AVX2
 
-// See Note [Cross-entropy CPU vectorization].
+// See Note [Cross-entropy CPU vectorization] and Note [CPU paths].
 bool use_avx2() {
 #if FUSETRAIN_CE_HAVE_AVX2
-  static const bool enabled = [] {
-    const std::string cap = at::get_cpu_capability();
-    return (cap == "AVX2" || cap == "AVX512") && __builtin_cpu_supports("avx2") &&
-           __builtin_cpu_supports("fma");
-  }();
-  return enabled;
+  return cpu_path() >= CpuPath::kAvx2;
 #else
   return false;
 #endif

@@ -8,6 +8,7 @@
 // and written exactly once. Per-tensor scalars (bias corrections) are computed
 // before the parallel region.
 #include <fusetrain/ops/checks.h>
+#include <fusetrain/ops/cpu_features.h>
 #include <fusetrain/ops/optim.h>
 
 #include <ATen/Parallel.h>
@@ -239,11 +240,8 @@ void adam_span(P* __restrict p, P* __restrict g, S* __restrict m, S* __restrict 
 // element sees the same arithmetic, whatever the chunking or thread count.
 #define FUSETRAIN_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
-bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("f16c");
-  return has;
-}
+// See Note [CPU paths] (cpu_features.h): the CPU's best, or the one forced.
+bool cpu_has_avx2() { return cpu_path() >= CpuPath::kAvx2; }
 
 // 8 elements of P to fp32 lanes and back (round to nearest even, as c10's
 // conversions; a NaN becomes c10's 0x7fc0 for bf16).
