@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(os.environ.get("FUSETRAIN_BUILD_DIR", ROOT / "build")) / "fusetrain"
+from trainer_cli import BIN, ROOT, assert_same_state, final_state, ok, records, run
+
 TINY = ROOT / "configs" / "tiny.yaml"
 GPT = ROOT / "configs" / "gpt_tiny.yaml"
 FASHION = Path(os.environ.get("FUSETRAIN_FASHION_MNIST", "/usr/share/datasets/fashion-mnist"))
@@ -37,34 +37,6 @@ pytestmark = pytest.mark.skipif(not BIN.exists(), reason=f"{BIN} is missing: bui
 # A small GPT, a few steps: seconds.
 SMALL_GPT = ("--set", "model.d_model=32", "--set", "model.n_layer=1", "--set", "model.n_head=2",
              "--set", "model.seq_len=32", "--set", "train.max_steps=12", "--set", "train.log_every=4")
-
-
-def run(*args, cwd=None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run([str(BIN), *map(str, args)], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=300)
-
-
-def ok(p):
-    assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}"
-    return p
-
-
-def final_state(run_dir: Path):
-    state = torch.load(sorted((run_dir / "checkpoints").glob("step_*.pt"))[-1])
-    return {k: v for k, v in state.items() if k.startswith(("model.", "optim."))}
-
-
-def assert_same_state(a, b):
-    assert sorted(a) == sorted(b)
-    differ = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not differ, differ[:5]
-
-
-def records(run_dir: Path, kind: str):
-    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
-            if r["kind"] == kind]
 
 
 def idx(path: Path) -> torch.Tensor:

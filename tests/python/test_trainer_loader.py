@@ -10,14 +10,12 @@ share trains other bits, so every check compares the whole final state
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(os.environ.get("FUSETRAIN_BUILD_DIR", ROOT / "build")) / "fusetrain"
+from trainer_cli import BIN, ROOT, assert_same_state, final_state, ok, run
+
 TINY = ROOT / "configs" / "tiny.yaml"
 GPT = ROOT / "configs" / "gpt_tiny.yaml"
 FASHION = Path(os.environ.get("FUSETRAIN_FASHION_MNIST", "/usr/share/datasets/fashion-mnist"))
@@ -30,29 +28,6 @@ needs_fashion = pytest.mark.skipif(not (FASHION / "train-images-idx3-ubyte.gz").
 
 SMALL_GPT = ("--set", "model.d_model=32", "--set", "model.n_layer=1", "--set", "model.n_head=2",
              "--set", "model.seq_len=32", "--set", "train.max_steps=10", "--set", "train.log_every=5")
-
-
-def run(*args) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run([str(BIN), *map(str, args)], capture_output=True, text=True, env=env,
-                          timeout=300)
-
-
-def ok(p):
-    assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}"
-    return p
-
-
-def final_state(run_dir: Path):
-    state = torch.load(sorted((run_dir / "checkpoints").glob("step_*.pt"))[-1])
-    return {k: v for k, v in state.items() if k.startswith(("model.", "optim."))}
-
-
-def assert_same_state(a, b):
-    assert sorted(a) == sorted(b)
-    differ = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not differ, differ[:5]
 
 
 def with_and_without(tmp_path, *args, prefetch=3):

@@ -21,8 +21,8 @@ import pytest
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[2]
-BIN = Path(os.environ.get("FUSETRAIN_BUILD_DIR", ROOT / "build")) / "fusetrain"
+from trainer_cli import BIN, ROOT, ok, run
+
 TINY = ROOT / "configs" / "tiny.yaml"
 USAGE = 2
 
@@ -119,18 +119,6 @@ def models(tmp_path_factory):
     finally:
         sys.path.remove(str(d))
     return user_models, d
-
-
-def run(*args) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run([str(BIN), *map(str, args)], capture_output=True, text=True, env=env,
-                          timeout=300)
-
-
-def ok(p):
-    assert p.returncode == 0, f"exit {p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}"
-    return p
 
 
 def data_files(tmp_path: Path, shape, n=96, n_val=48, classes=3):
