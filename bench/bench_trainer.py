@@ -267,9 +267,9 @@ def default_run(policy: str, workdir: Path) -> dict:
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         raise RuntimeError(f"default run ({policy}) failed:\n{p.stderr[-2000:]}")
-    config = (run_dir / "config.yaml").read_text()
-    resolved = next(line.split(":", 1)[1].strip().strip('"') for line in config.splitlines()
-                    if line.strip().startswith("policy:"))
+    import yaml
+
+    resolved = yaml.safe_load((run_dir / "config.yaml").read_text())["precision"]["policy"]
     evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in evals if r["kind"] == "eval"]
     out = dict(policy=resolved, accuracy=evals[-1]["accuracy"], wall_s=wall,

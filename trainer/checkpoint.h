@@ -41,6 +41,10 @@ const at::Tensor& checkpoint_entry(const TensorDict& dict, const std::string& ke
                                    const std::string& path);
 bool has_entry(const TensorDict& dict, const std::string& key);
 
+/// A number stored as a 0-d int64 or float64 tensor (a checkpoint entry).
+inline at::Tensor scalar_entry(int64_t v) { return at::scalar_tensor(v, at::kLong); }
+inline at::Tensor scalar_entry(double v) { return at::scalar_tensor(v, at::kDouble); }
+
 /// Text stored as a uint8 tensor (so the file stays a dict of tensors), and back.
 at::Tensor text_tensor(const std::string& text);
 std::string tensor_text(const at::Tensor& t);

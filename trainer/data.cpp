@@ -24,7 +24,6 @@ constexpr int64_t kSyntheticTrain = 10000;
 constexpr int64_t kSyntheticTest = 2000;
 constexpr const char* kFashionPackage = "dataset-fashion-mnist";
 
-bool file_exists(const std::string& path) { return is_file(path); }
 
 
 at::Generator generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
@@ -353,7 +352,7 @@ void check_data_available(const Config& config) {
     for (const char* f : {"train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
                           "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"}) {
       const std::string file = path + "/" + f;
-      if (!file_exists(file)) {
+      if (!is_file(file)) {
         throw UsageError("data.path: " + file + " does not exist. Fashion-MNIST comes from the "
                          "Debian package " + kFashionPackage + " (apt-get install " +
                          kFashionPackage + "), or set data.path to a directory holding the four "
@@ -364,11 +363,11 @@ void check_data_available(const Config& config) {
     const char* what = name == "text"     ? "the text file"
                        : name == "tokens" ? "the token file"
                                           : "the tensors file";
-    if (!file_exists(path)) {
+    if (!is_file(path)) {
       throw UsageError("data.path: " + std::string(what) + " " + path + " does not exist");
     }
     const std::string& val = config.get_string("data.val_path");
-    if (!val.empty() && !file_exists(val)) {
+    if (!val.empty() && !is_file(val)) {
       throw UsageError("data.val_path: " + std::string(what) + " " + val + " does not exist");
     }
   }

@@ -6,9 +6,6 @@ namespace fusetrain::trainer {
 
 namespace {
 
-at::Tensor scalar(int64_t v) { return at::scalar_tensor(v, at::kLong); }
-at::Tensor scalar(double v) { return at::scalar_tensor(v, at::kDouble); }
-
 CheckpointError misfit(const std::string& path, const std::string& what) {
   return CheckpointError("checkpoint " + path + " does not fit the configured model: " + what +
                          " (was it written with other model.* settings?)");
@@ -111,7 +108,7 @@ void put_scaler(TensorDict& d, amp::GradScaler& scaler) {
   for (const auto& item : scaler.state_dict()) {
     const c10::IValue& v = item.value();
     d.emplace_back("scaler." + item.key().toStringRef(),
-                   v.isInt() ? scalar(v.toInt()) : scalar(v.toDouble()));
+                   v.isInt() ? scalar_entry(v.toInt()) : scalar_entry(v.toDouble()));
   }
 }
 

@@ -148,15 +148,12 @@ void make_float32_islands(torch::jit::Module& module, const Config& config, cons
   if (selected.empty()) return;
   // Every instance by path, grouped by the graph of its forward.
   std::vector<std::string> names;
-  std::map<torch::jit::Graph*, std::vector<std::string>> instances;
-  std::map<torch::jit::Graph*, std::shared_ptr<torch::jit::Graph>> graphs;
+  std::map<std::shared_ptr<torch::jit::Graph>, std::vector<std::string>> instances;
   for (const auto& m : module.named_modules()) {
     if (!m.name.empty()) names.push_back(m.name);
     const auto forward = m.value.find_method("forward");
     if (!forward) continue;
-    std::shared_ptr<torch::jit::Graph> g = torch::jit::toGraphFunction(forward->function()).graph();
-    instances[g.get()].push_back(m.name);
-    graphs[g.get()] = g;
+    instances[torch::jit::toGraphFunction(forward->function()).graph()].push_back(m.name);
   }
   for (const auto& name : selected) {
     if (std::find(names.begin(), names.end(), name) == names.end()) {
@@ -166,8 +163,8 @@ void make_float32_islands(torch::jit::Module& module, const Config& config, cons
     }
   }
   std::set<std::string> wrapped;
-  for (const auto& [raw, callers] : instances) {
-    torch::jit::Graph& g = *graphs[raw];
+  for (const auto& [graph, callers] : instances) {
+    torch::jit::Graph& g = *graph;
     std::vector<std::pair<torch::jit::Node*, std::string>> calls;
     forward_calls(g.block(), g.inputs()[0], calls);
     for (const auto& [node, rel] : calls) {

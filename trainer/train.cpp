@@ -47,14 +47,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cerrno>
 #include <cstdio>
-#include <cstring>
-#include <ctime>
-#include <fstream>
-#include <iostream>
 #include <mutex>
-#include <sstream>
 
 namespace fusetrain::trainer {
 
@@ -62,11 +56,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr int64_t kFormatVersion = 1;
-
-// ------------------------------------------------------------------ helpers
-
-at::Tensor scalar(int64_t v) { return at::scalar_tensor(v, at::kLong); }
-at::Tensor scalar(double v) { return at::scalar_tensor(v, at::kDouble); }
 
 // ------------------------------------------------------------------ trainer
 
@@ -255,23 +244,23 @@ void Trainer::build() {
 
 TensorDict Trainer::snapshot() {
   TensorDict d;
-  d.emplace_back("meta.format", scalar(kFormatVersion));
+  d.emplace_back("meta.format", scalar_entry(kFormatVersion));
   d.emplace_back("config.yaml", text_tensor(config_.to_yaml()));
   d.emplace_back("config.name", text_tensor(config_.name()));
-  d.emplace_back("trainer.step", scalar(step_));
-  d.emplace_back("trainer.epoch", scalar(step_ / steps_per_epoch_));
-  d.emplace_back("trainer.step_in_epoch", scalar(step_ % steps_per_epoch_));
-  d.emplace_back("trainer.steps_per_epoch", scalar(steps_per_epoch_));
-  d.emplace_back("trainer.batch_size", scalar(config_.get_int("data.batch_size")));
-  d.emplace_back("trainer.world_size", scalar(static_cast<int64_t>(world_.world_size())));
+  d.emplace_back("trainer.step", scalar_entry(step_));
+  d.emplace_back("trainer.epoch", scalar_entry(step_ / steps_per_epoch_));
+  d.emplace_back("trainer.step_in_epoch", scalar_entry(step_ % steps_per_epoch_));
+  d.emplace_back("trainer.steps_per_epoch", scalar_entry(steps_per_epoch_));
+  d.emplace_back("trainer.batch_size", scalar_entry(config_.get_int("data.batch_size")));
+  d.emplace_back("trainer.world_size", scalar_entry(static_cast<int64_t>(world_.world_size())));
   d.emplace_back("trainer.skipped",
-                 scalar(skipped_before_ + static_cast<int64_t>(skipped_.item<float>())));
-  d.emplace_back("data.mean", scalar(data_.mean));
-  d.emplace_back("data.std", scalar(data_.std));
+                 scalar_entry(skipped_before_ + static_cast<int64_t>(skipped_.item<float>())));
+  d.emplace_back("data.mean", scalar_entry(data_.mean));
+  d.emplace_back("data.std", scalar_entry(data_.std));
   // What load_checkpoint.py needs to rebuild a model on the user's data.
   d.emplace_back("data.input_shape", at::tensor(data_.input_shape, at::kLong));
   d.emplace_back("data.num_classes", at::scalar_tensor(data_.num_classes, at::kLong));
-  d.emplace_back("rng.seed", scalar(config_.get_int("train.seed")));
+  d.emplace_back("rng.seed", scalar_entry(config_.get_int("train.seed")));
   d.emplace_back("rng.cpu_state", at::detail::getDefaultCPUGenerator().get_state());
   put_model(d, model_);
   put_optimizer(d, model_, *optimizer_, config_.get_string("optimizer.name"));
@@ -383,7 +372,7 @@ std::vector<at::Tensor> Trainer::step_batch(int64_t step) {
   }
   // A fill kernel on the device, not a copy from the host.
   batch.push_back(at::scalar_tensor(lr_at(step), at::TensorOptions().dtype(at::kDouble).device(device_)));
-  batch.push_back(scalar(step));
+  batch.push_back(scalar_entry(step));
   return batch;
 }
 
@@ -397,7 +386,7 @@ std::vector<at::Tensor> Trainer::sample_batch() {
     batch.push_back(data_.train.targets.narrow(0, 0, micro).to(device_));
   }
   batch.push_back(at::scalar_tensor(0.0, at::TensorOptions().dtype(at::kDouble).device(device_)));
-  batch.push_back(scalar(step_));
+  batch.push_back(scalar_entry(step_));
   return batch;
 }
 
