@@ -3,6 +3,7 @@
 #include <fusetrain/dist/ddp.h>
 
 #include <fusetrain/dist/comm_hooks.h>
+#include <fusetrain/dist/zero.h>
 
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
@@ -221,6 +222,11 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
   DDPOptions options;
   std::vector<Bucket> buckets;
   std::vector<size_t> bucket_of, slot_of;
+  // shard_gradients (ZeRO stage 2): per bucket, this rank's piece of the
+  // averaged gradients (the parameters' dtype), where the reduce-scatter
+  // lands when that is comm_dtype, and the piece length.
+  std::vector<at::Tensor> pieces, comm_pieces;
+  std::vector<int64_t> piece_numel;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
   std::vector<uintptr_t> hook_keys;
   // Device parameters: the accumulators' side stream (Note [DDP and CUDA
@@ -269,10 +275,29 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
         static_cast<size_t>(options.bucket_cap_mb() * (1 << 20)), order);
   }
 
+  bool sharded() const { return options.shard_gradients(); }
+
   void build_buckets(const std::vector<std::vector<size_t>>& assignment) {
     buckets.clear();
     bucket_of.assign(params.size(), 0);
     slot_of.assign(params.size(), 0);
+    pieces.clear();
+    comm_pieces.clear();
+    piece_numel.clear();
+    if (sharded()) {
+      std::vector<int64_t> numels;
+      for (const auto& p : params) numels.push_back(p.numel());
+      const ShardLayout layout(numels, assignment, group->getSize());
+      for (size_t b = 0; b < assignment.size(); ++b) {
+        const at::Tensor& head = params[assignment[b].front()];
+        piece_numel.push_back(layout.piece_numel(b));
+        pieces.push_back(at::zeros({layout.piece_numel(b)}, head.options()));
+        const auto comm = options.comm_dtype();
+        comm_pieces.push_back(comm && *comm != head.scalar_type()
+                                  ? at::empty({layout.piece_numel(b)}, head.options().dtype(*comm))
+                                  : at::Tensor());
+      }
+    }
     for (size_t b = 0; b < assignment.size(); ++b) {
       Bucket bucket;
       bucket.params = assignment[b];
@@ -288,14 +313,30 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
         bucket.hook_params.push_back(params[i]);
         total += params[i].numel();
       }
-      const at::Tensor& head = params[bucket.params.front()];
-      bucket.buffer = at::zeros(
-          {total}, head.options().dtype(options.comm_dtype().value_or(head.scalar_type())));
+      // Sharded: the buffer exists only from the bucket's first gradient to
+      // the end of its reduce-scatter (ensure_buffer).
+      if (!sharded()) bucket.buffer = at::zeros({total}, buffer_options(bucket));
       buckets.push_back(std::move(bucket));
     }
   }
 
+  at::TensorOptions buffer_options(const Bucket& bucket) const {
+    const at::Tensor& head = params[bucket.params.front()];
+    return head.options().dtype(options.comm_dtype().value_or(head.scalar_type()));
+  }
+
+  // Sharded: bucket b's flat buffer padded to world * piece, padding zeroed.
+  void ensure_buffer(size_t b) {
+    Bucket& bucket = buckets[b];
+    if (bucket.buffer.defined()) return;
+    const int64_t total = bucket.offsets.back() + params[bucket.params.back()].numel();
+    const int64_t padded = piece_numel[b] * group->getSize();
+    bucket.buffer = at::empty({padded}, buffer_options(bucket));
+    if (padded > total) bucket.buffer.narrow(0, total, padded - total).zero_();
+  }
+
   at::Tensor view_of(size_t i) {
+    if (sharded()) ensure_buffer(bucket_of[i]);
     const Bucket& b = buckets[bucket_of[i]];
     return b.buffer.narrow(0, b.offsets[slot_of[i]], params[i].numel()).view(params[i].sizes());
   }
@@ -374,6 +415,8 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     } else {
       view.zero_();
     }
+    // Sharded: the bucket holds it now; only this rank's piece is kept.
+    if (sharded() && grad.defined()) params[i].mutable_grad().reset();
     mark_ready(i);
     if (local_used.defined()) local_used.data_ptr<int32_t>()[i] = 1;
     if (!rebuilt && !options.find_unused_parameters()) ready_order.push_back(i);
@@ -402,6 +445,10 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
         // See the note: the previous bucket's reduction is over first.
         if (next_bucket > 0 && !hook_has_one_collective) buckets[next_bucket - 1].future->wait();
         b.future = run_hook(next_bucket, b.buffer);
+      } else if (sharded()) {
+        at::Tensor out = comm_pieces[next_bucket].defined() ? comm_pieces[next_bucket]
+                                                            : pieces[next_bucket];
+        b.work = group->_reduce_scatter_base(out, b.buffer);
       } else {
         std::vector<at::Tensor> tensors{b.buffer};
         b.work = group->allreduce(tensors);
@@ -520,13 +567,21 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     // back while the later buckets' allreduces are still running.
     for (size_t b = 0; b < buckets.size(); ++b) {
       const at::Tensor reduced = wait_bucket(b);
-      if (!reduced.is_same(buckets[b].buffer)) buckets[b].buffer.copy_(reduced.view(-1));
+      if (!sharded() && !reduced.is_same(buckets[b].buffer)) {
+        buckets[b].buffer.copy_(reduced.view(-1));
+      }
       if (b + 1 == buckets.size()) {
         if (!done_event) {
           exposed_seconds = std::chrono::duration<double>(Clock::now() - last_ready).count();
         } else if (device_timed) {
           done_event->record(current_stream());  // the waits are on this stream
         }
+      }
+      if (sharded()) {
+        if (comm_pieces[b].defined()) pieces[b].copy_(comm_pieces[b]);
+        if (post != 1.0) pieces[b].mul_(1.0 / post);
+        buckets[b].buffer = at::Tensor();  // the full bucket is not kept
+        continue;
       }
       for (const size_t i : buckets[b].params) {
         if (globally_used.defined() && globally_used.const_data_ptr<int32_t>()[i] == 0) continue;
@@ -598,6 +653,13 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     std::vector<c10::intrusive_ptr<c10d::Work>> works;
     std::vector<c10::intrusive_ptr<c10::ivalue::Future>> futures;
     for (size_t b = 0; b < buckets.size(); ++b) {
+      if (sharded()) {
+        at::Tensor zeros = at::zeros({piece_numel[b] * group->getSize()},
+                                     buffer_options(buckets[b]));
+        at::Tensor out = at::empty({piece_numel[b]}, zeros.options());
+        works.push_back(group->_reduce_scatter_base(out, zeros));
+        continue;
+      }
       at::Tensor zeros = at::zeros_like(buckets[b].buffer);
       if (hook) {
         if (b > 0 && !hook_has_one_collective) futures.back()->wait();
@@ -646,6 +708,20 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   impl_->names = std::move(names);
   impl_->group = std::move(group);
   impl_->options = options;
+  // The shard layout must stay what the optimizer's state was made for.
+  impl_->rebuilt = options.shard_gradients();
+  if (impl_->group->getSize() > 1) {
+    // Every rank shards alike, or reduce-scatters would meet allreduces.
+    std::vector<at::Tensor> flag{
+        at::full({1}, options.shard_gradients() ? 1 : 0, at::TensorOptions().dtype(at::kInt))
+            .to(collective_device(impl_->group, impl_->params))};
+    wait_or_throw(impl_->group->allreduce(flag), "the shard_gradients agreement");
+    const int sharding = flag[0].to(at::kCPU).item<int>();
+    TORCH_CHECK_VALUE(sharding == 0 || sharding == impl_->group->getSize(),
+                      "DistributedDataParallel: shard_gradients is ", options.shard_gradients(),
+                      " on this rank (", impl_->group->getRank(), ") but set on ", sharding,
+                      " of ", impl_->group->getSize(), " ranks; every rank must pass the same");
+  }
   impl_->build_buckets(impl_->assignment_for({}));
   impl_->register_hooks(impl_);
 }
@@ -670,6 +746,9 @@ void Reducer::register_comm_hook(std::shared_ptr<c10d::CommHookInterface> hook) 
   TORCH_CHECK_VALUE(impl_->options.gradient_predivide_factor() == 1.0,
                     "DistributedDataParallel: a communication hook averages the gradients itself; "
                     "gradient_predivide_factor must stay 1 with a hook");
+  TORCH_CHECK_VALUE(!impl_->options.shard_gradients(),
+                    "DistributedDataParallel: shard_gradients reduce-scatters the buckets itself; "
+                    "it takes no communication hook");
   const auto* ours = dynamic_cast<const CommHook*>(hook.get());
   impl_->hook_has_one_collective = ours != nullptr && ours->issues_one_collective();
   impl_->hook = std::move(hook);
@@ -712,6 +791,13 @@ double Reducer::last_exposed_comm_seconds() const {
 }
 
 std::optional<c10::Stream> Reducer::stream() const { return impl_->stream; }
+
+std::vector<at::Tensor> Reducer::grad_pieces() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return impl_->pieces;
+}
+
+bool Reducer::shard_gradients() const { return impl_->options.shard_gradients(); }
 
 // ------------------------------------------------------------------ JoinContext
 

@@ -107,6 +107,14 @@ struct DDPOptions {
   /// world_size / factor after it (fp16 overflow headroom, as apex). The
   /// default 1 divides by world_size before, as torch's DDP does.
   TORCH_ARG(double, gradient_predivide_factor) = 1.0;
+  /// ZeRO stage 2 (Note [Sharded optimizer state] in zero.h): each bucket is
+  /// reduce-scattered instead of allreduced, so every rank keeps only its
+  /// piece of the averaged gradients (Reducer::grad_pieces()); param.grad is
+  /// empty after a synchronised backward and the full buckets live only
+  /// while their reduce-scatter runs. The buckets keep their first layout
+  /// (no rebuild in the ready order). For a ZeroRedundancyOptimizer over
+  /// the same parameters and group; not with a communication hook.
+  TORCH_ARG(bool, shard_gradients) = false;
 };
 
 /// Buckets as lists of parameter indices: parameters in `order` (empty:
@@ -184,6 +192,13 @@ class Reducer {
   /// done; the call waits for the second one. NaN when the last backward was
   /// captured in a CUDA graph (nothing is timed there) or has not run.
   double last_exposed_comm_seconds() const;
+
+  /// With shard_gradients: this rank's piece of every bucket's averaged
+  /// gradients after the last synchronised backward (one flat tensor per
+  /// bucket, in the parameters' dtype; the layout is zero.h's ShardLayout
+  /// over bucket_indices()). Empty without shard_gradients.
+  std::vector<at::Tensor> grad_pieces() const;
+  bool shard_gradients() const;
 
   /// The side stream the gradient accumulators and this reducer's hooks run
   /// on, for device parameters (Note [DDP and CUDA graphs]); nullopt for CPU

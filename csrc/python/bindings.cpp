@@ -163,21 +163,23 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        ProcessGroupPtr group, double bucket_cap_mb, double first_bucket_cap_mb,
                        bool find_unused_parameters, bool gradient_as_bucket_view,
-                       std::optional<std::string> comm_dtype, double gradient_predivide_factor) {
+                       std::optional<std::string> comm_dtype, double gradient_predivide_factor,
+                       bool shard_gradients) {
              dist::DDPOptions o;
              o.bucket_cap_mb(bucket_cap_mb)
                  .first_bucket_cap_mb(first_bucket_cap_mb)
                  .find_unused_parameters(find_unused_parameters)
                  .gradient_as_bucket_view(gradient_as_bucket_view)
                  .comm_dtype(parse_comm_dtype(comm_dtype))
-                 .gradient_predivide_factor(gradient_predivide_factor);
+                 .gradient_predivide_factor(gradient_predivide_factor)
+                 .shard_gradients(shard_gradients);
              return std::make_unique<dist::Reducer>(std::move(params), std::move(names),
                                                     std::move(group), o);
            }),
            py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("bucket_cap_mb"),
            py::arg("first_bucket_cap_mb"), py::arg("find_unused_parameters"),
            py::arg("gradient_as_bucket_view"), py::arg("comm_dtype"),
-           py::arg("gradient_predivide_factor"))
+           py::arg("gradient_predivide_factor"), py::arg("shard_gradients") = false)
       // Collectives release the GIL (as torch's own bindings do): a gloo
       // worker thread that frees a finished work holding Python-owned tensors
       // takes the GIL while holding the group's queue lock, which enqueueing
@@ -230,6 +232,8 @@ PYBIND11_MODULE(_C, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("require_sync", &dist::Reducer::require_sync)
       .def("bucket_indices", &dist::Reducer::bucket_indices)
+      .def("grad_pieces", &dist::Reducer::grad_pieces)
+      .def("shard_gradients", &dist::Reducer::shard_gradients)
       // Waits for a device event on NCCL: without the GIL.
       .def("last_exposed_comm_seconds", &dist::Reducer::last_exposed_comm_seconds,
            py::call_guard<py::gil_scoped_release>())
@@ -250,6 +254,71 @@ PYBIND11_MODULE(_C, m) {
         py::arg("tensors"), py::call_guard<py::gil_scoped_release>());
   m.def("broadcast_from", &dist::broadcast_from, py::arg("process_group"), py::arg("tensors"),
         py::arg("root"), py::call_guard<py::gil_scoped_release>());
+  py::class_<dist::ShardedParameters>(m, "ShardedParameters")
+      .def(py::init<std::vector<at::Tensor>, std::vector<std::vector<size_t>>, ProcessGroupPtr,
+                    bool>(),
+           py::arg("params"), py::arg("buckets"), py::arg("process_group"),
+           py::arg("parameters_as_bucket_view") = false)
+      .def("param_slices", &dist::ShardedParameters::param_slices)
+      .def("slices",
+           [](const dist::ShardedParameters& s) {
+             std::vector<std::tuple<size_t, size_t, int64_t, int64_t, int64_t>> out;
+             for (const auto& x : s.slices()) {
+               out.emplace_back(x.param, x.bucket, x.begin, x.length, x.piece_offset);
+             }
+             return out;
+           })
+      .def("piece_numels",
+           [](const dist::ShardedParameters& s) {
+             std::vector<int64_t> out;
+             for (size_t b = 0; b < s.layout().buckets().size(); ++b) {
+               out.push_back(s.layout().piece_numel(b));
+             }
+             return out;
+           })
+      .def("grad_slices",
+           [](const dist::ShardedParameters& s) {
+             std::vector<std::optional<at::Tensor>> out;
+             for (const auto& g : s.grad_slices()) out.push_back(maybe(g));
+             return out;
+           })
+      .def("slices_of_pieces", &dist::ShardedParameters::slices_of_pieces, py::arg("pieces"))
+      .def("all_gather_params", &dist::ShardedParameters::all_gather_params,
+           py::call_guard<py::gil_scoped_release>())
+      .def("gather",
+           [](const dist::ShardedParameters& s, const std::vector<std::optional<at::Tensor>>& t,
+              at::ScalarType dtype, int to) {
+             std::vector<at::Tensor> out;
+             {
+               py::gil_scoped_release release;
+               out = s.gather(from_optional(t), dtype, to);
+             }
+             std::vector<std::optional<at::Tensor>> result;
+             for (const auto& x : out) result.push_back(maybe(x));
+             return result;
+           },
+           py::arg("per_slice"), py::arg("dtype"), py::arg("to"))
+      .def("shard",
+           [](const dist::ShardedParameters& s, const std::vector<std::optional<at::Tensor>>& t) {
+             std::vector<std::optional<at::Tensor>> result;
+             for (const auto& x : s.shard(from_optional(t))) result.push_back(maybe(x));
+             return result;
+           },
+           py::arg("full"))
+      .def("global_norm",
+           [](const dist::ShardedParameters& s, const std::vector<std::optional<at::Tensor>>& t) {
+             const auto list = from_optional(t);
+             py::gil_scoped_release release;
+             return s.global_norm(list);
+           },
+           py::arg("tensors"))
+      .def("any_non_finite",
+           [](const dist::ShardedParameters& s, const std::vector<std::optional<at::Tensor>>& t) {
+             const auto list = from_optional(t);
+             py::gil_scoped_release release;
+             return s.any_non_finite(list);
+           },
+           py::arg("tensors"));
   m.def("compute_bucket_assignment", &dist::compute_bucket_assignment, py::arg("params"),
         py::arg("first_cap_bytes"), py::arg("cap_bytes"), py::arg("order") = std::vector<size_t>{});
 }

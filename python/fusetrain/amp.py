@@ -357,7 +357,12 @@ class OptState(Enum):
 
 def _grads_of(optimizer: torch.optim.Optimizer) -> list:
     """The optimizer's gradients in param-group order (None kept for the
-    indices); sparse ones contribute their values, fp16 ones coalesced first."""
+    indices); sparse ones contribute their values, fp16 ones coalesced first.
+    An optimizer that keeps its gradients elsewhere (the sharded
+    ZeroRedundancyOptimizer) names them with ``_amp_gradients()``."""
+    amp_gradients = getattr(optimizer, "_amp_gradients", None)
+    if amp_gradients is not None:
+        return list(amp_gradients())
     grads = []
     for group in optimizer.param_groups:
         for param in group["params"]:

@@ -36,7 +36,7 @@ import torch
 
 from . import _C  # noqa: F401  (registers the ops)
 
-__all__ = ["FusedAdamW", "FusedAdam", "FusedSGD"]
+__all__ = ["FusedAdamW", "FusedAdam", "FusedSGD", "ZeroRedundancyOptimizer"]
 
 
 def _grad_of(p: torch.Tensor) -> torch.Tensor:
@@ -473,3 +473,6 @@ class FusedSGD(_FusedOptimizer):
             )
             if grad_scale is not None:
                 _write_back(subset, grads)
+
+
+from .zero import ZeroRedundancyOptimizer  # noqa: E402  (it builds on FusedAdamW)

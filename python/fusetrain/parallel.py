@@ -94,9 +94,14 @@ class _DDPJoinHook(JoinHook):
 
 class DistributedDataParallel(torch.nn.Module, Joinable):
     """Data-parallel wrapper, torch's argument names and defaults, plus
-    ``comm_dtype`` (communicate in float16/bfloat16) and
+    ``comm_dtype`` (communicate in float16/bfloat16),
     ``gradient_predivide_factor`` (divide by it before the allreduce and by
-    world_size / factor after; default: divide by world_size before).
+    world_size / factor after; default: divide by world_size before) and
+    ``shard_gradients`` (ZeRO stage 2: each bucket is reduce-scattered, every
+    rank keeps only its piece of the averaged gradients and ``p.grad`` stays
+    None; pair it with a ``fusetrain.optim.ZeroRedundancyOptimizer`` made
+    after it over the same parameters, which steps from those pieces; no
+    communication hook then).
 
     At construction parameter shapes are checked across ranks (an error
     naming the first mismatch, on every rank) and parameters and buffers are
@@ -120,6 +125,7 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         *,
         comm_dtype: Optional[torch.dtype] = None,
         gradient_predivide_factor: float = 1.0,
+        shard_gradients: bool = False,
     ):
         torch.nn.Module.__init__(self)
         Joinable.__init__(self)
@@ -167,7 +173,13 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
             gradient_as_bucket_view=gradient_as_bucket_view,
             comm_dtype=_COMM_DTYPES[comm_dtype],
             gradient_predivide_factor=float(gradient_predivide_factor),
+            shard_gradients=bool(shard_gradients),
         )
+        self.shard_gradients = bool(shard_gradients)
+        if self.shard_gradients:
+            from .zero import _register_gradient_sharding
+
+            _register_gradient_sharding(self, params)
         self.require_backward_grad_sync = True
         self._divide_by_initial_world_size = True
 

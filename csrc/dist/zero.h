@@ -1,0 +1,149 @@
+// Sharded optimizer state and gradients (ZeRO stages 1 and 2): the layout
+// every rank agrees on, and the collectives that move shards.
+//
+// Note [Sharded optimizer state]
+// The parameters are laid out in buckets (lists of parameter indices of one
+// dtype and device, as the reducer's): bucket b is the parameters' elements
+// end to end, T_b of them, padded to N * P_b with P_b = ceil(T_b / N)
+// rounded up to kShardAlignment elements. Rank r owns piece r, elements
+// [r * P_b, (r + 1) * P_b) of every bucket, so it owns about 1/N of every
+// bucket whatever the parameter sizes: a parameter that straddles a piece
+// boundary is split between ranks, and its slices are flat views of it.
+// Each rank runs the optimizer on its slices only, so its optimizer state
+// (moments, fp32 masters) is total / N plus less than one alignment per
+// bucket; the update is elementwise, so a slice gets the same bits as the
+// whole parameter would. After the step one all-gather per bucket, in
+// bucket order, gives every rank every updated element.
+//
+// Stage 2 (DDPOptions::shard_gradients): the reducer reduce-scatters each
+// bucket instead of allreducing it, so rank r keeps only piece r of the
+// averaged gradients (grad_pieces(); the full buckets live only while their
+// reduce-scatter runs) and p.grad stays empty. The optimizer then reads its
+// gradient slices from those pieces, which is why both stages share this
+// layout: the reducer's buckets define it (fixed in stage 2: no rebuild in
+// the ready order).
+//
+// Everything here that reads values across ranks (norms, overflow flags,
+// state consolidation) is a collective on the group and is issued in the
+// same order on every rank.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace c10d {
+class ProcessGroup;
+}  // namespace c10d
+
+namespace fusetrain::dist {
+
+/// Pieces are padded to a multiple of this many elements (64-byte aligned
+/// pieces for float32, vector-width aligned for every dtype).
+inline constexpr int64_t kShardAlignment = 16;
+
+/// One rank's share of one parameter: elements [begin, begin + length) of
+/// the flattened parameter, at `piece_offset` in the rank's piece of
+/// `bucket`.
+struct ShardSlice {
+  size_t param = 0;
+  size_t bucket = 0;
+  int64_t begin = 0;
+  int64_t length = 0;
+  int64_t piece_offset = 0;
+};
+
+/// The layout of Note [Sharded optimizer state]. Pure: unit-tested.
+class ShardLayout {
+ public:
+  ShardLayout() = default;
+  /// `numels[i]`: parameter i's element count; `buckets`: parameter indices
+  /// per bucket (every parameter once).
+  ShardLayout(const std::vector<int64_t>& numels, std::vector<std::vector<size_t>> buckets,
+              int world_size);
+
+  int world_size() const { return world_; }
+  size_t num_params() const { return numels_.size(); }
+  const std::vector<std::vector<size_t>>& buckets() const { return buckets_; }
+  /// Elements of bucket b before padding, and per rank piece.
+  int64_t bucket_numel(size_t b) const { return bucket_numel_[b]; }
+  int64_t piece_numel(size_t b) const { return piece_numel_[b]; }
+  /// Offset of parameter i in its bucket, and the bucket.
+  int64_t offset_of(size_t i) const { return offset_[i]; }
+  size_t bucket_of(size_t i) const { return bucket_of_[i]; }
+  /// Rank r's slices, in bucket order, then offset (empty slices left out).
+  std::vector<ShardSlice> slices_of(int rank) const;
+
+ private:
+  int world_ = 1;
+  std::vector<int64_t> numels_;
+  std::vector<std::vector<size_t>> buckets_;
+  std::vector<int64_t> bucket_numel_, piece_numel_, offset_;
+  std::vector<size_t> bucket_of_;
+};
+
+/// The parameters of one data-parallel group, sharded as the layout says,
+/// and the collectives both ZeRO stages use. The Python and C++
+/// ZeroRedundancyOptimizer run their local optimizer on param_slices().
+class ShardedParameters {
+ public:
+  /// `params`: contiguous tensors (their slices are flat views). With
+  /// `parameters_as_bucket_view` each parameter's storage moves into a flat
+  /// buffer per bucket, so the all-gather writes the parameters in place.
+  ShardedParameters(std::vector<at::Tensor> params, std::vector<std::vector<size_t>> buckets,
+                    c10::intrusive_ptr<c10d::ProcessGroup> group,
+                    bool parameters_as_bucket_view = false);
+
+  const ShardLayout& layout() const { return layout_; }
+  int rank() const { return rank_; }
+  const std::vector<at::Tensor>& params() const { return params_; }
+  /// This rank's slices and, in the same order, flat views of the
+  /// parameters' elements they cover.
+  const std::vector<ShardSlice>& slices() const { return slices_; }
+  const std::vector<at::Tensor>& param_slices() const { return param_slices_; }
+  /// Views of each slice of p.grad (stage 1); undefined where p.grad is.
+  std::vector<at::Tensor> grad_slices() const;
+  /// Views of each slice of `pieces` (one flat tensor per bucket, this
+  /// rank's piece: the reducer's gradient pieces in stage 2).
+  std::vector<at::Tensor> slices_of_pieces(const std::vector<at::Tensor>& pieces) const;
+
+  /// Every rank's updated slices to every rank: one all-gather per bucket,
+  /// all issued before the first is unpacked.
+  void all_gather_params();
+
+  /// Full tensors, one per parameter (its shape, `dtype`, on its device),
+  /// from every rank's `per_slice` tensors (this rank's, in slices() order;
+  /// an undefined one counts as zeros). Returned on rank `to` (on every rank
+  /// when to < 0); elsewhere the vector is empty. Parameters for which no
+  /// rank had a defined slice are undefined in the result.
+  std::vector<at::Tensor> gather(const std::vector<at::Tensor>& per_slice, at::ScalarType dtype,
+                                 int to) const;
+  /// This rank's slices of full per-parameter tensors (`full[i]` shaped like
+  /// parameter i, or undefined: then undefined slices), copied.
+  std::vector<at::Tensor> shard(const std::vector<at::Tensor>& full) const;
+
+  /// sqrt(sum over ranks of sum_k ||tensors[k]||^2), float32, on the first
+  /// tensor's device: the global L2 norm from shard norms (one allreduce).
+  at::Tensor global_norm(const std::vector<at::Tensor>& tensors) const;
+  /// A one-element float32 tensor that is +inf when any rank's `tensors`
+  /// hold an inf or NaN and 0 otherwise (one allreduce; no host sync on CUDA).
+  at::Tensor any_non_finite(const std::vector<at::Tensor>& tensors) const;
+
+  /// Bytes of the given tensors' storage (per-rank memory accounting).
+  static int64_t bytes_of(const std::vector<at::Tensor>& tensors);
+
+ private:
+  at::Device device() const;
+
+  std::vector<at::Tensor> params_;
+  c10::intrusive_ptr<c10d::ProcessGroup> group_;
+  int rank_ = 0;
+  ShardLayout layout_;
+  std::vector<ShardSlice> slices_;
+  std::vector<at::Tensor> param_slices_;
+  std::vector<at::Tensor> flat_;  // per bucket, with parameters_as_bucket_view
+};
+
+}  // namespace fusetrain::dist
