@@ -14,4 +14,5 @@
 #include <fusetrain/ops/cpu_features.h>
 #include <fusetrain/ops/optim.h>
 #include <fusetrain/optim/fused.h>
+#include <fusetrain/optim/zero.h>
 #include <fusetrain/version.h>

@@ -292,6 +292,10 @@ const std::vector<KeySpec>& config_schema() {
           "how DDP reduces gradients (none: allreduce in float32; fp16/bf16: compressed to 16 "
           "bits; powersgd: low-rank PowerSGD, whose state a resume starts afresh)",
           {"none", "allreduce", "fp16", "bf16", "powersgd"}),
+      key("parallel.shard", K::kString, "none",
+          "ZeRO across the data-parallel ranks: shard the optimizer state (optimizer, stage 1) "
+          "or the optimizer state and the gradients (gradients, stage 2); none: replicate",
+          {"none", "optimizer", "gradients"}),
       key("parallel.powersgd_rank", K::kInt, "1", "PowerSGD's matrix approximation rank", {}, 1,
           1e6),
       key("parallel.powersgd_start_iter", K::kInt, "1000",

@@ -116,6 +116,8 @@ class ParallelModel {
   /// work queued before on the caller's stream, which in turn waits for it
   /// when the guard ends. Null without DDP on a device.
   std::shared_ptr<void> on_ddp_stream();
+  /// DDP's reducer (null for a world of one).
+  const dist::Reducer* reducer() const;
 
  private:
   Model model_;

@@ -36,6 +36,7 @@
 #include <fusetrain/graph/fused_steps.h>
 #include <fusetrain/ops/optim.h>
 #include <fusetrain/optim/fused.h>
+#include <fusetrain/optim/zero.h>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/autocast_mode.h>
@@ -121,6 +122,9 @@ class Trainer {
   Dataset data_;
   Model model_;
   std::unique_ptr<optim::FusedOptimizer> optimizer_;
+  // parallel.shard: optimizer_ is this ZeroRedundancyOptimizer.
+  optim::ZeroRedundancyOptimizer* zero_ = nullptr;
+  void shard_optimizer(bool gradients);
   std::unique_ptr<amp::GradScaler> scaler_;
   std::unique_ptr<ParallelModel> parallel_;
   std::unique_ptr<BatchSampler> sampler_;
@@ -269,12 +273,15 @@ TensorDict Trainer::snapshot() {
 }
 
 void Trainer::save_checkpoint(const std::string& reason) {
+  // Sharded state comes to rank 0 first: a collective, on every rank.
+  if (zero_ != nullptr) zero_->consolidate_state(0);
   if (!rank0_) return;
   const auto t0 = Clock::now();
   make_dirs(checkpoint_dir(plan_.run_dir));
   const std::string path =
       checkpoint_dir(plan_.run_dir) + "/" + fmt::format("step_{:08d}.pt", step_);
   write_checkpoint(path, snapshot());
+  if (zero_ != nullptr) zero_->state().clear();  // the unsharded copy is not kept
   last_checkpoint_ = path;
   // Keep the newest keep_checkpoints files; the one just written is among them.
   auto all = checkpoints_in(plan_.run_dir);
@@ -340,6 +347,32 @@ void Trainer::reseed(int64_t step) {
     std::lock_guard<std::mutex> lock(gen.mutex());
     gen.set_current_seed(seed);
   }
+}
+
+// The optimizer built (and maybe restored) unsharded becomes a
+// ZeroRedundancyOptimizer with the same groups; a restored state moves over
+// and is sharded, so a checkpoint resumes whatever parallel.shard it was
+// written with.
+void Trainer::shard_optimizer(bool gradients) {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  for (auto& g : optimizer_->param_groups()) groups.emplace_back(g.params(), g.options().clone());
+  optim::ZeroOptions zo;
+  zo.max_grad_norm(config_.get_float("train.clip_grad_norm"));
+  const dist::Reducer* reducer = gradients ? parallel_->reducer() : nullptr;
+  std::unique_ptr<optim::ZeroRedundancyOptimizer> zero;
+  if (config_.get_string("optimizer.name") == "adamw") {
+    zero = optim::ZeroRedundancyOptimizer::adamw(
+        std::move(groups), static_cast<const optim::FusedAdamWOptions&>(optimizer_->defaults()),
+        world_.group(), zo, reducer);
+  } else {
+    zero = optim::ZeroRedundancyOptimizer::sgd(
+        std::move(groups), static_cast<const optim::FusedSGDOptions&>(optimizer_->defaults()),
+        world_.group(), zo, reducer);
+  }
+  for (auto& item : optimizer_->state()) zero->state()[item.first] = std::move(item.second);
+  zero->shard_state();
+  zero_ = zero.get();
+  optimizer_ = std::move(zero);
 }
 
 void Trainer::clip_gradients() {
@@ -428,7 +461,8 @@ at::Tensor Trainer::step_body(const std::vector<at::Tensor>& batch) {
   }
   window_loss_.add_(step_loss);
   epoch_loss_.add_(step_loss);
-  if (config_.get_float("train.clip_grad_norm") > 0) clip_gradients();
+  // (A sharded optimizer clips in its step, from the global norm of the shards.)
+  if (config_.get_float("train.clip_grad_norm") > 0 && zero_ == nullptr) clip_gradients();
   scaler_->step(*optimizer_);
   if (scaler_->is_enabled()) skipped_.add_(scaler_->found_inf().ne(0).reshape({1}));
   scaler_->update();
@@ -563,10 +597,17 @@ int Trainer::run() {
     prepare_run_dir(config_, plan_);
     open_metrics();
   }
+  const std::string& shard = config_.get_string("parallel.shard");
+  if (shard == "gradients" && config_.get_string("parallel.comm_hook") != "none") {
+    throw config_.error("parallel.shard", "gradients reduce-scatters the buckets itself; it takes "
+                        "no parallel.comm_hook");
+  }
   dist::DDPOptions ddp;
+  ddp.shard_gradients(shard == "gradients" && world_.is_distributed());
   parallel_ = std::make_unique<ParallelModel>(
       model_, world_, ddp, config_.get_string("parallel.comm_hook"),
       config_.get_int("parallel.powersgd_rank"), config_.get_int("parallel.powersgd_start_iter"));
+  if (shard != "none" && world_.is_distributed()) shard_optimizer(shard == "gradients");
 
   const int64_t batch = config_.get_int("data.batch_size");
   const int64_t epochs = (total_steps_ + steps_per_epoch_ - 1) / steps_per_epoch_;

@@ -57,6 +57,9 @@ int64_t integer(const c10::IValue& v, const char* key) {
 }  // namespace
 
 std::vector<at::Tensor> optimizer_grads(torch::optim::Optimizer& optimizer) {
+  if (auto* scaling = dynamic_cast<AmpScalingOptimizer*>(&optimizer)) {
+    if (auto grads = scaling->amp_gradients()) return *grads;
+  }
   std::vector<at::Tensor> grads;
   for (auto& group : optimizer.param_groups()) {
     for (auto& p : group.params()) grads.push_back(p.grad());

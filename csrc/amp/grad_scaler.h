@@ -47,6 +47,10 @@ class AmpScalingOptimizer {
   /// found_inf: a one-element float32 tensor, non-zero to skip. Both nullopt to clear.
   virtual void set_amp_scaling(std::optional<at::Tensor> grad_scale,
                                std::optional<at::Tensor> found_inf) = 0;
+  /// The gradients the scaler checks and unscales, when they are not the
+  /// param groups' p.grad (a ZeroRedundancyOptimizer whose gradients are
+  /// sharded); nullopt: the param groups'.
+  virtual std::optional<std::vector<at::Tensor>> amp_gradients() { return std::nullopt; }
 };
 
 /// The loss scaler. A typical iteration:

@@ -799,6 +799,12 @@ std::vector<at::Tensor> Reducer::grad_pieces() const {
 
 bool Reducer::shard_gradients() const { return impl_->options.shard_gradients(); }
 
+const std::vector<at::Tensor>& Reducer::parameters() const { return impl_->params; }
+
+const c10::intrusive_ptr<c10d::ProcessGroup>& Reducer::process_group() const {
+  return impl_->group;
+}
+
 // ------------------------------------------------------------------ JoinContext
 
 JoinContext::JoinContext(Reducer& reducer, c10::intrusive_ptr<c10d::ProcessGroup> group,

@@ -199,6 +199,9 @@ class Reducer {
   /// over bucket_indices()). Empty without shard_gradients.
   std::vector<at::Tensor> grad_pieces() const;
   bool shard_gradients() const;
+  /// The parameters, in the order bucket_indices() refers to.
+  const std::vector<at::Tensor>& parameters() const;
+  const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const;
 
   /// The side stream the gradient accumulators and this reducer's hooks run
   /// on, for device parameters (Note [DDP and CUDA graphs]); nullopt for CPU

@@ -31,7 +31,7 @@ class FusedOptimizer : public torch::optim::Optimizer, public amp::AmpScalingOpt
   /// options, so a captured CUDA graph follows values written into it between
   /// replays (see fusetrain::graph::FusedSteps). Applies to every group;
   /// std::nullopt goes back to the options.
-  void set_lr_tensor(std::optional<at::Tensor> lr);
+  virtual void set_lr_tensor(std::optional<at::Tensor> lr);
 
  protected:
   /// The scalars of a launch on `device`, moved there if they live elsewhere.

@@ -247,6 +247,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             finally:
                 if self._step_supports_amp_scaling:
                     del self.optim.grad_scale, self.optim.found_inf
+        for view in self._views:  # zero_grad must be able to free the gradients
+            view.grad = None
         self._shards.all_gather_params()
         return loss
 

@@ -388,6 +388,79 @@ void worker_no_sync(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int ran
 
 // The last rank's output layer has 6 outputs, the others' 5: every rank
 // raises, naming the parameter, long before the group's timeout.
+// ZeRO stage 1 and 2 (fusetrain::optim::ZeroRedundancyOptimizer over
+// FusedAdamW, max_grad_norm folded) for 20 steps against unsharded DDP +
+// FusedAdamW clipped the trainer's way: parameters within 1e-6; per-rank
+// state about total / N; the consolidated state equals the unsharded one,
+// and shard_state() of it resumes the run exactly.
+void worker_zero(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int rank, int world) {
+  namespace optim = fusetrain::optim;
+  const auto adam = optim::FusedAdamWOptions(1e-2);
+  auto ref = make_net(3);
+  dist::DistributedDataParallel<torch::nn::Sequential> ref_ddp(ref, group, uneven_options());
+  optim::FusedAdamW ref_opt(ref->parameters(), adam);
+  constexpr double kClip = 0.5;
+  auto train = [&](auto& ddp, torch::optim::Optimizer& opt, int from, int to, bool clip) {
+    for (int step = from; step < to; ++step) {
+      auto [x, y] = batch(step, 4 * world, 7, 5);
+      opt.zero_grad();
+      torch::mse_loss(ddp.forward(shard(x, rank, world)), shard(y, rank, world)).backward();
+      if (clip) {  // the unsharded reference clips as the trainer does
+        std::vector<at::Tensor> grads;
+        for (const auto& p : ddp.module()->parameters()) grads.push_back(p.grad());
+        const at::Tensor norm = std::get<0>(fusetrain::ops::multi_tensor_l2norm(grads));
+        const at::Tensor coef = (kClip / (norm + 1e-6)).clamp_max(1.0);
+        for (auto& g : grads) g.mul_(coef);
+      }
+      opt.step();
+    }
+  };
+  train(ref_ddp, ref_opt, 0, 20, true);
+  int64_t full_state = 0;
+  for (const auto& item : ref_opt.state()) {
+    const auto& s = static_cast<const optim::FusedAdamWParamState&>(*item.second);
+    full_state += (s.exp_avg().numel() + s.exp_avg_sq().numel()) * 4;
+  }
+  for (const bool stage2 : {false, true}) {
+    INFO("stage " << (stage2 ? 2 : 1));
+    auto net = make_net(3);
+    dist::DistributedDataParallel<torch::nn::Sequential> ddp(
+        net, group, uneven_options().shard_gradients(stage2));
+    auto opt = optim::ZeroRedundancyOptimizer::adamw(
+        {torch::optim::OptimizerParamGroup(net->parameters())}, adam, group,
+        optim::ZeroOptions().max_grad_norm(kClip), stage2 ? &ddp.reducer() : nullptr);
+    train(ddp, *opt, 0, 20, false);
+    REQUIRE(max_diff(net->parameters(), ref->parameters()) <= kTol);
+    if (stage2) {
+      for (const auto& p : net->parameters()) REQUIRE_FALSE(p.grad().defined());
+    }
+    // The ranks' states add up to the whole, each within one padded piece per bucket.
+    const int64_t mine = opt->local_state_bytes();
+    const auto buckets = static_cast<int64_t>(opt->shards().layout().buckets().size());
+    REQUIRE(mine < full_state / world + 8 * dist::kShardAlignment * buckets);
+    std::vector<at::Tensor> total{at::full({1}, static_cast<double>(mine), at::kDouble)};
+    group->allreduce(total)->wait();
+    REQUIRE(total[0].item<double>() == static_cast<double>(full_state));
+    // Consolidated on every rank: FusedAdamW's own state over the whole parameters.
+    opt->consolidate_state(-1);
+    const auto params = net->parameters();
+    const auto ref_params = ref->parameters();
+    REQUIRE(opt->state().size() == ref_opt.state().size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& a = static_cast<const optim::FusedAdamWParamState&>(
+          *opt->state().at(params[i].unsafeGetTensorImpl()));
+      const auto& b = static_cast<const optim::FusedAdamWParamState&>(
+          *ref_opt.state().at(ref_params[i].unsafeGetTensorImpl()));
+      REQUIRE(a.exp_avg().sizes() == b.exp_avg().sizes());
+      REQUIRE(max_diff({a.exp_avg(), a.exp_avg_sq(), a.step()}, {b.exp_avg(), b.exp_avg_sq(), b.step()}) <= kTol);
+    }
+    // Resharded from the consolidated copy, training goes on as before.
+    opt->shard_state();
+    REQUIRE(opt->state().empty());
+    REQUIRE(opt->local_state_bytes() == mine);
+  }
+}
+
 void worker_mismatch(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int rank, int world) {
   auto net = make_net(1, rank == world - 1 ? 6 : 5);
   const auto t0 = Clock::now();
@@ -456,6 +529,8 @@ TEST_CASE("ddp_worker", "[.ddp_worker]") {
     worker_mismatch(group, env->rank, env->world_size);
   } else if (name == "dead") {
     worker_dead(group, env->rank, env->world_size);
+  } else if (name == "zero") {
+    worker_zero(group, env->rank, env->world_size);
   } else if (name == "join") {
     worker_join(group, env->rank, env->world_size);
   } else {
@@ -490,6 +565,49 @@ TEST_CASE("DDP join(): uneven inputs equal one process, every rank ends with the
     INFO("world size " << world);
     require_exit_codes(spawn_world(world, "join"));
   }
+}
+
+TEST_CASE("ZeroRedundancyOptimizer stages 1 and 2 equal unsharded DDP; state is total / N",
+          "[dist][zero]") {
+  for (int world : {2, 3}) {
+    INFO("world size " << world);
+    require_exit_codes(spawn_world(world, "zero"));
+  }
+}
+
+TEST_CASE("ShardLayout: equal padded pieces per bucket, parameters split at their edges",
+          "[zero]") {
+  // Bucket 0: params 2 (10) and 0 (7) = 17 elements; bucket 1: param 1 (40).
+  const dist::ShardLayout layout({7, 40, 10}, {{2, 0}, {1}}, 3);
+  const int64_t a = dist::kShardAlignment;
+  REQUIRE(layout.piece_numel(0) == a);  // ceil(17 / 3) = 6, rounded up to the alignment
+  REQUIRE(layout.piece_numel(1) == ((40 + 2) / 3 + a - 1) / a * a);
+  REQUIRE(layout.offset_of(2) == 0);
+  REQUIRE(layout.offset_of(0) == 10);
+  // Every element of every parameter is owned exactly once, in order.
+  std::vector<std::vector<int>> owner{std::vector<int>(7, -1), std::vector<int>(40, -1),
+                                      std::vector<int>(10, -1)};
+  for (int r = 0; r < 3; ++r) {
+    for (const auto& s : layout.slices_of(r)) {
+      REQUIRE(s.length > 0);
+      REQUIRE(s.piece_offset + s.length <= layout.piece_numel(s.bucket));
+      REQUIRE(layout.offset_of(s.param) + s.begin == r * layout.piece_numel(s.bucket) + s.piece_offset);
+      for (int64_t e = s.begin; e < s.begin + s.length; ++e) {
+        REQUIRE(owner[s.param][e] == -1);
+        owner[s.param][e] = r;
+      }
+    }
+  }
+  for (const auto& o : owner) {
+    for (int r : o) REQUIRE(r >= 0);
+  }
+  // 17 elements in pieces of 16: rank 0 owns all of param 2 and 6 of param 0.
+  const auto r0 = layout.slices_of(0);
+  REQUIRE(r0[0].param == 2);
+  REQUIRE(r0[0].length == 10);
+  REQUIRE(r0[1].param == 0);
+  REQUIRE(r0[1].length == 6);
+  REQUIRE_THROWS_WITH(dist::ShardLayout({3, 4}, {{0}}, 2), Contains("in no bucket"));
 }
 
 TEST_CASE("DDP with mismatched parameter shapes raises on every rank", "[dist][ddp]") {
