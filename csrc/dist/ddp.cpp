@@ -214,6 +214,7 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     std::vector<c10::IntArrayRef> hook_sizes;
     std::vector<at::Tensor> hook_params;
     c10::intrusive_ptr<c10::ivalue::Future> future;
+    at::Tensor pooled;  // sharded: the pooled buffer whose front is `buffer`
   };
 
   std::vector<at::Tensor> params;
@@ -227,6 +228,12 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
   // lands when that is comm_dtype, and the piece length.
   std::vector<at::Tensor> pieces, comm_pieces;
   std::vector<int64_t> piece_numel;
+  // CPU (gloo): an allreduce of the bucket stands for its reduce-scatter
+  // (Note [Sharded optimizer state]).
+  bool shard_by_allreduce = false;
+  // The full buckets' buffers between backward passes: those in flight,
+  // one filling, and one more.
+  BufferPool bucket_buffers{kShardBucketsInFlight + 2};
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
   std::vector<uintptr_t> hook_keys;
   // Device parameters: the accumulators' side stream (Note [DDP and CUDA
@@ -285,6 +292,7 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     comm_pieces.clear();
     piece_numel.clear();
     if (sharded()) {
+      shard_by_allreduce = gloo_collectives(params.front());
       std::vector<int64_t> numels;
       for (const auto& p : params) numels.push_back(p.numel());
       const ShardLayout layout(numels, assignment, group->getSize());
@@ -293,7 +301,7 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
         piece_numel.push_back(layout.piece_numel(b));
         pieces.push_back(at::zeros({layout.piece_numel(b)}, head.options()));
         const auto comm = options.comm_dtype();
-        comm_pieces.push_back(comm && *comm != head.scalar_type()
+        comm_pieces.push_back(comm && *comm != head.scalar_type() && !shard_by_allreduce
                                   ? at::empty({layout.piece_numel(b)}, head.options().dtype(*comm))
                                   : at::Tensor());
       }
@@ -331,7 +339,8 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     if (bucket.buffer.defined()) return;
     const int64_t total = bucket.offsets.back() + params[bucket.params.back()].numel();
     const int64_t padded = piece_numel[b] * group->getSize();
-    bucket.buffer = at::empty({padded}, buffer_options(bucket));
+    bucket.pooled = bucket_buffers.take(padded, buffer_options(bucket));
+    bucket.buffer = bucket.pooled.narrow(0, 0, padded);
     if (padded > total) bucket.buffer.narrow(0, total, padded - total).zero_();
   }
 
@@ -446,9 +455,20 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
         if (next_bucket > 0 && !hook_has_one_collective) buckets[next_bucket - 1].future->wait();
         b.future = run_hook(next_bucket, b.buffer);
       } else if (sharded()) {
-        at::Tensor out = comm_pieces[next_bucket].defined() ? comm_pieces[next_bucket]
-                                                            : pieces[next_bucket];
-        b.work = group->_reduce_scatter_base(out, b.buffer);
+        if (shard_by_allreduce) {
+          std::vector<at::Tensor> tensors{b.buffer};
+          b.work = group->allreduce(tensors);
+        } else {
+          at::Tensor out = comm_pieces[next_bucket].defined() ? comm_pieces[next_bucket]
+                                                              : pieces[next_bucket];
+          b.work = group->_reduce_scatter_base(out, b.buffer);
+        }
+        // At most kShardBucketsInFlight full buckets stay alive (plus those
+        // still filling): the oldest one's reduce-scatter is awaited and its
+        // buffer freed. (On gloo this waits on the autograd thread; on NCCL
+        // wait() only orders the stream, and the work keeps the buffer
+        // until its kernel is done.)
+        if (next_bucket >= kShardBucketsInFlight) retire(next_bucket - kShardBucketsInFlight);
       } else {
         std::vector<at::Tensor> tensors{b.buffer};
         b.work = group->allreduce(tensors);
@@ -467,10 +487,29 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     return future;
   }
 
+  static constexpr size_t kShardBucketsInFlight = 2;
+
+  // Sharded: bucket b's reduce-scatter is done; its full buffer goes.
+  void retire(size_t b) {
+    Bucket& bucket = buckets[b];
+    if (!bucket.work) return;
+    wait_or_throw(bucket.work, "a gradient reduce-scatter");
+    bucket.work.reset();
+    if (shard_by_allreduce) {
+      pieces[b].copy_(bucket.buffer.narrow(0, group->getRank() * piece_numel[b], piece_numel[b]));
+    }
+    bucket.buffer = at::Tensor();
+    bucket_buffers.give(std::move(bucket.pooled));
+  }
+
   // Waits for bucket b's reduction; the reduced flat tensor (the bucket's
-  // buffer unless a hook returned another one).
+  // buffer unless a hook returned another one; undefined once retired).
   at::Tensor wait_bucket(size_t b) {
     Bucket& bucket = buckets[b];
+    if (sharded()) {
+      retire(b);
+      return bucket.buffer;
+    }
     if (!hook) {
       wait_or_throw(bucket.work, "a gradient allreduce");
       return bucket.buffer;
@@ -580,7 +619,6 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
       if (sharded()) {
         if (comm_pieces[b].defined()) pieces[b].copy_(comm_pieces[b]);
         if (post != 1.0) pieces[b].mul_(1.0 / post);
-        buckets[b].buffer = at::Tensor();  // the full bucket is not kept
         continue;
       }
       for (const size_t i : buckets[b].params) {
@@ -656,8 +694,13 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
       if (sharded()) {
         at::Tensor zeros = at::zeros({piece_numel[b] * group->getSize()},
                                      buffer_options(buckets[b]));
-        at::Tensor out = at::empty({piece_numel[b]}, zeros.options());
-        works.push_back(group->_reduce_scatter_base(out, zeros));
+        if (shard_by_allreduce) {
+          std::vector<at::Tensor> tensors{zeros};
+          works.push_back(group->allreduce(tensors));
+        } else {
+          at::Tensor out = at::empty({piece_numel[b]}, zeros.options());
+          works.push_back(group->_reduce_scatter_base(out, zeros));
+        }
         continue;
       }
       at::Tensor zeros = at::zeros_like(buckets[b].buffer);

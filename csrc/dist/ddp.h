@@ -111,7 +111,9 @@ struct DDPOptions {
   /// reduce-scattered instead of allreduced, so every rank keeps only its
   /// piece of the averaged gradients (Reducer::grad_pieces()); param.grad is
   /// empty after a synchronised backward and the full buckets live only
-  /// while their reduce-scatter runs. The buckets keep their first layout
+  /// while they fill and their reduce-scatter runs (at most two of them
+  /// awaiting theirs: the oldest is awaited when a third starts). The
+  /// buckets keep their first layout
   /// (no rebuild in the ready order). For a ZeroRedundancyOptimizer over
   /// the same parameters and group; not with a communication hook.
   TORCH_ARG(bool, shard_gradients) = false;

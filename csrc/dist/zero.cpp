@@ -26,6 +26,37 @@ int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 }  // namespace
 
+// ------------------------------------------------------------- BufferPool
+
+at::Tensor BufferPool::take(int64_t numel, const at::TensorOptions& options) {
+  if (options.device().is_cpu()) {
+    auto best = free_.end();
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->numel() >= numel && it->scalar_type() == options.dtype().toScalarType() &&
+          (best == free_.end() || it->numel() < best->numel())) {
+        best = it;
+      }
+    }
+    if (best != free_.end()) {
+      at::Tensor t = std::move(*best);
+      free_.erase(best);
+      return t;
+    }
+  }
+  return at::empty({numel}, options);
+}
+
+void BufferPool::give(at::Tensor buffer) {
+  if (!buffer.defined() || !buffer.device().is_cpu() || capacity_ == 0) return;
+  free_.push_back(std::move(buffer));
+  if (free_.size() > capacity_) {
+    auto smallest = std::min_element(free_.begin(), free_.end(), [](const auto& a, const auto& b) {
+      return a.numel() < b.numel();
+    });
+    free_.erase(smallest);
+  }
+}
+
 // ------------------------------------------------------------ ShardLayout
 
 ShardLayout::ShardLayout(const std::vector<int64_t>& numels,
@@ -153,27 +184,43 @@ std::vector<at::Tensor> ShardedParameters::slices_of_pieces(
 void ShardedParameters::all_gather_params() {
   at::NoGradGuard no_grad;
   const size_t nb = layout_.buckets().size();
-  std::vector<at::Tensor> fulls(nb);
-  std::vector<c10::intrusive_ptr<c10d::Work>> works(nb);
+  std::vector<at::Tensor> fulls(nb), pooled(nb);
+  std::vector<std::vector<c10::intrusive_ptr<c10d::Work>>> works(nb);
   size_t k = 0;  // the next slice to pack
   auto launch = [&](size_t b) {
     const at::Tensor& head = params_[layout_.buckets()[b].front()];
-    at::Tensor send = at::zeros({layout_.piece_numel(b)}, head.options());
-    for (; k < slices_.size() && slices_[k].bucket == b; ++k) {
-      send.narrow(0, slices_[k].piece_offset, slices_[k].length).copy_(param_slices_[k]);
+    const int64_t piece = layout_.piece_numel(b);
+    if (flat_.empty()) {
+      // This rank's piece, packed where the gather puts it.
+      pooled[b] = gather_buffers_.take(piece * layout_.world_size(), head.options());
+      fulls[b] = pooled[b].narrow(0, 0, piece * layout_.world_size());
+      at::Tensor mine = fulls[b].narrow(0, rank_ * piece, piece);
+      mine.zero_();
+      for (; k < slices_.size() && slices_[k].bucket == b; ++k) {
+        mine.narrow(0, slices_[k].piece_offset, slices_[k].length).copy_(param_slices_[k]);
+      }
+    } else {
+      fulls[b] = flat_[b];  // the slices are views of it: this rank's piece is in place
     }
-    fulls[b] = flat_.empty() ? at::empty({layout_.piece_numel(b) * layout_.world_size()},
-                                         head.options())
-                             : flat_[b];
-    works[b] = group_->_allgather_base(fulls[b], send);
+    if (gloo_collectives(head)) {
+      for (int r = 0; r < layout_.world_size(); ++r) {
+        std::vector<at::Tensor> t{fulls[b].narrow(0, r * piece, piece)};
+        c10d::BroadcastOptions opts;
+        opts.rootRank = r;
+        works[b].push_back(group_->broadcast(t, opts));
+      }
+    } else {
+      at::Tensor mine = fulls[b].narrow(0, rank_ * piece, piece);  // in place, as NCCL allows
+      works[b].push_back(group_->_allgather_base(fulls[b], mine));
+    }
   };
   // Bucket b + 1 is on the wire while bucket b is unpacked, and at most two
   // gather buffers are alive: never a second copy of all the parameters.
   if (nb > 0) launch(0);
   for (size_t b = 0; b < nb; ++b) {
     if (b + 1 < nb) launch(b + 1);
-    wait_for(works[b], "the parameter all-gather");
-    works[b].reset();
+    for (const auto& w : works[b]) wait_for(w, "the parameter all-gather");
+    works[b].clear();
     if (flat_.empty()) {  // else the parameters are views of it
       for (const size_t i : layout_.buckets()[b]) {
         params_[i].detach().view(-1).copy_(
@@ -181,6 +228,7 @@ void ShardedParameters::all_gather_params() {
       }
     }
     fulls[b] = at::Tensor();
+    gather_buffers_.give(std::move(pooled[b]));
   }
 }
 

@@ -416,6 +416,10 @@ void worker_zero(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int rank, 
     }
   };
   train(ref_ddp, ref_opt, 0, 20, true);
+  auto ref25 = make_net(3);  // 5 steps further, for the resharded runs
+  dist::DistributedDataParallel<torch::nn::Sequential> ref25_ddp(ref25, group, uneven_options());
+  optim::FusedAdamW ref25_opt(ref25->parameters(), adam);
+  train(ref25_ddp, ref25_opt, 0, 25, true);
   int64_t full_state = 0;
   for (const auto& item : ref_opt.state()) {
     const auto& s = static_cast<const optim::FusedAdamWParamState&>(*item.second);
@@ -458,6 +462,8 @@ void worker_zero(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int rank, 
     opt->shard_state();
     REQUIRE(opt->state().empty());
     REQUIRE(opt->local_state_bytes() == mine);
+    train(ddp, *opt, 20, 25, false);
+    REQUIRE(max_diff(net->parameters(), ref25->parameters()) <= kTol);
   }
 }
 
