@@ -326,7 +326,7 @@ std::string Distributed::explain_failure(const std::string& what) const {
 
 // ------------------------------------------------------------------ ParallelModel
 
-const dist::Reducer* ParallelModel::reducer() const { return ddp_ ? &ddp_->reducer() : nullptr; }
+dist::Reducer* ParallelModel::reducer() const { return ddp_ ? &ddp_->reducer() : nullptr; }
 
 ParallelModel::ParallelModel(Model model, const Distributed& world, dist::DDPOptions options,
                              const std::string& comm_hook, int64_t powersgd_rank,

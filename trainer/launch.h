@@ -117,7 +117,7 @@ class ParallelModel {
   /// when the guard ends. Null without DDP on a device.
   std::shared_ptr<void> on_ddp_stream();
   /// DDP's reducer (null for a world of one).
-  const dist::Reducer* reducer() const;
+  dist::Reducer* reducer() const;
 
  private:
   Model model_;

@@ -359,7 +359,7 @@ void Trainer::shard_optimizer(bool gradients) {
   optim::ZeroOptions zo;
   // The all-gather lands in the parameters: no pack and unpack copies.
   zo.max_grad_norm(config_.get_float("train.clip_grad_norm")).parameters_as_bucket_view(true);
-  const dist::Reducer* reducer = gradients ? parallel_->reducer() : nullptr;
+  dist::Reducer* reducer = gradients ? parallel_->reducer() : nullptr;
   std::unique_ptr<optim::ZeroRedundancyOptimizer> zero;
   if (config_.get_string("optimizer.name") == "adamw") {
     zero = optim::ZeroRedundancyOptimizer::adamw(

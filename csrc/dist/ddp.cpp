@@ -215,6 +215,7 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     std::vector<at::Tensor> hook_params;
     c10::intrusive_ptr<c10::ivalue::Future> future;
     at::Tensor pooled;  // sharded: the pooled buffer whose front is `buffer`
+    at::Tensor fresh;   // sharded, accumulating: this backward's reduced piece
   };
 
   std::vector<at::Tensor> params;
@@ -231,6 +232,11 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
   // CPU (gloo): an allreduce of the bucket stands for its reduce-scatter
   // (Note [Sharded optimizer state]).
   bool shard_by_allreduce = false;
+  // The pieces hold gradients no zero_grad_pieces() has cleared: the next
+  // synchronised backward adds to them (accumulating is that backward's
+  // copy of it), as autograd adds into p.grad.
+  bool pieces_hold_grads = false, accumulating = false;
+  std::vector<char> has_grad;  // per parameter: a gradient is in the pieces
   // The full buckets' buffers between backward passes: those in flight,
   // one filling, and one more.
   BufferPool bucket_buffers{kShardBucketsInFlight + 2};
@@ -292,6 +298,7 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     comm_pieces.clear();
     piece_numel.clear();
     if (sharded()) {
+      has_grad.assign(params.size(), 0);
       shard_by_allreduce = gloo_collectives(params.front());
       std::vector<int64_t> numels;
       for (const auto& p : params) numels.push_back(p.numel());
@@ -459,8 +466,13 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
           std::vector<at::Tensor> tensors{b.buffer};
           b.work = group->allreduce(tensors);
         } else {
-          at::Tensor out = comm_pieces[next_bucket].defined() ? comm_pieces[next_bucket]
-                                                              : pieces[next_bucket];
+          at::Tensor out;
+          if (accumulating) {
+            b.fresh = at::empty({piece_numel[next_bucket]}, b.buffer.options());
+            out = b.fresh;
+          } else {
+            out = comm_pieces[next_bucket].defined() ? comm_pieces[next_bucket] : pieces[next_bucket];
+          }
           b.work = group->_reduce_scatter_base(out, b.buffer);
         }
         // At most kShardBucketsInFlight full buckets stay alive (plus those
@@ -496,7 +508,13 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     wait_or_throw(bucket.work, "a gradient reduce-scatter");
     bucket.work.reset();
     if (shard_by_allreduce) {
-      pieces[b].copy_(bucket.buffer.narrow(0, group->getRank() * piece_numel[b], piece_numel[b]));
+      const at::Tensor mine =
+          bucket.buffer.narrow(0, group->getRank() * piece_numel[b], piece_numel[b]);
+      if (accumulating) {
+        bucket.fresh = mine.clone();
+      } else {
+        pieces[b].copy_(mine);
+      }
     }
     bucket.buffer = at::Tensor();
     bucket_buffers.give(std::move(bucket.pooled));
@@ -547,6 +565,7 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
       b.future.reset();
     }
     if (!armed) return;
+    accumulating = sharded() && pieces_hold_grads;
     ready_order.clear();
     if (options.find_unused_parameters()) {
       local_used = at::zeros({static_cast<int64_t>(params.size())}, at::kInt);
@@ -617,8 +636,22 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
         }
       }
       if (sharded()) {
-        if (comm_pieces[b].defined()) pieces[b].copy_(comm_pieces[b]);
-        if (post != 1.0) pieces[b].mul_(1.0 / post);
+        if (accumulating) {
+          at::Tensor add = buckets[b].fresh.to(pieces[b].scalar_type());
+          if (post != 1.0) add.mul_(1.0 / post);
+          pieces[b].add_(add);
+          buckets[b].fresh = at::Tensor();
+        } else {
+          if (comm_pieces[b].defined()) pieces[b].copy_(comm_pieces[b]);
+          if (post != 1.0) pieces[b].mul_(1.0 / post);
+        }
+        for (const size_t i : buckets[b].params) {
+          // Unused on every rank (find_unused_parameters): no gradient, as
+          // p.grad stays None unsharded; its slices are not stepped.
+          const bool used =
+              !globally_used.defined() || globally_used.const_data_ptr<int32_t>()[i] != 0;
+          has_grad[i] = (accumulating && has_grad[i]) || used;
+        }
         continue;
       }
       for (const size_t i : buckets[b].params) {
@@ -636,6 +669,7 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
         }
       }
     }
+    if (sharded()) pieces_hold_grads = true;
     if (!rebuilt && !options.find_unused_parameters()) rebuild_buckets();
   }
 
@@ -841,6 +875,17 @@ std::vector<at::Tensor> Reducer::grad_pieces() const {
 }
 
 bool Reducer::shard_gradients() const { return impl_->options.shard_gradients(); }
+
+std::vector<bool> Reducer::has_gradient() const {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  return std::vector<bool>(impl_->has_grad.begin(), impl_->has_grad.end());
+}
+
+void Reducer::zero_grad_pieces() {
+  std::lock_guard<std::mutex> lock(impl_->mutex);
+  impl_->pieces_hold_grads = false;
+  std::fill(impl_->has_grad.begin(), impl_->has_grad.end(), 0);
+}
 
 const std::vector<at::Tensor>& Reducer::parameters() const { return impl_->params; }
 

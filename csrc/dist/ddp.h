@@ -201,6 +201,14 @@ class Reducer {
   /// over bucket_indices()). Empty without shard_gradients.
   std::vector<at::Tensor> grad_pieces() const;
   bool shard_gradients() const;
+  /// With shard_gradients, per parameter: whether the pieces hold a
+  /// gradient for it (false for one no rank used, with
+  /// find_unused_parameters, as p.grad would stay None).
+  std::vector<bool> has_gradient() const;
+  /// Synchronised backward passes add into the pieces (as autograd into
+  /// p.grad) until this clears them: the next one overwrites.
+  /// ZeroRedundancyOptimizer calls it after its step and in zero_grad.
+  void zero_grad_pieces();
   /// The parameters, in the order bucket_indices() refers to.
   const std::vector<at::Tensor>& parameters() const;
   const c10::intrusive_ptr<c10d::ProcessGroup>& process_group() const;

@@ -170,13 +170,19 @@ std::vector<at::Tensor> ShardedParameters::grad_slices() const {
 }
 
 std::vector<at::Tensor> ShardedParameters::slices_of_pieces(
-    const std::vector<at::Tensor>& pieces) const {
+    const std::vector<at::Tensor>& pieces, const std::vector<bool>& has) const {
   TORCH_CHECK(pieces.size() == layout_.buckets().size(), "ZeroRedundancyOptimizer: ",
               pieces.size(), " gradient pieces for ", layout_.buckets().size(), " buckets");
   std::vector<at::Tensor> out;
   out.reserve(slices_.size());
+  TORCH_CHECK(has.empty() || has.size() == params_.size(), "ZeroRedundancyOptimizer: ",
+              has.size(), " gradient flags for ", params_.size(), " parameters");
   for (const ShardSlice& s : slices_) {
-    out.push_back(pieces[s.bucket].narrow(0, s.piece_offset, s.length));
+    if (!has.empty() && !has[s.param]) {
+      out.emplace_back();
+    } else {
+      out.push_back(pieces[s.bucket].narrow(0, s.piece_offset, s.length));
+    }
   }
   return out;
 }
@@ -273,7 +279,7 @@ std::vector<at::Tensor> ShardedParameters::gather(const std::vector<at::Tensor>&
       if (defined.const_data_ptr<int32_t>()[i] == 0) continue;
       out[i] = full.narrow(0, layout_.offset_of(i), params_[i].numel())
                    .view(params_[i].sizes())
-                   .clone();
+                   .to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);  // not a second copy on the device
     }
   }
   return out;

@@ -139,14 +139,16 @@ class ShardedParameters {
   /// Views of each slice of p.grad (stage 1); undefined where p.grad is.
   std::vector<at::Tensor> grad_slices() const;
   /// Views of each slice of `pieces` (one flat tensor per bucket, this
-  /// rank's piece: the reducer's gradient pieces in stage 2).
-  std::vector<at::Tensor> slices_of_pieces(const std::vector<at::Tensor>& pieces) const;
+  /// rank's piece: the reducer's gradient pieces in stage 2); undefined for
+  /// the slices of parameters `has` (when given) says false for.
+  std::vector<at::Tensor> slices_of_pieces(const std::vector<at::Tensor>& pieces,
+                                           const std::vector<bool>& has = {}) const;
 
   /// Every rank's updated slices to every rank: one all-gather per bucket,
   /// all issued before the first is unpacked.
   void all_gather_params();
 
-  /// Full tensors, one per parameter (its shape, `dtype`, on its device),
+  /// Full tensors, one per parameter (its shape, `dtype`, on the CPU),
   /// from every rank's `per_slice` tensors (this rank's, in slices() order;
   /// an undefined one counts as zeros). Returned on rank `to` (on every rank
   /// when to < 0); elsewhere the vector is empty. Parameters for which no

@@ -89,7 +89,7 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
     std::vector<OptimizerParamGroup> param_groups,
     std::unique_ptr<torch::optim::OptimizerOptions> defaults, LocalFactory make_local,
     c10::intrusive_ptr<c10d::ProcessGroup> group, ZeroOptions options,
-    const dist::Reducer* reducer)
+    dist::Reducer* reducer)
     : FusedOptimizer(std::move(param_groups), std::move(defaults)),
       group_(std::move(group)),
       options_(options),
@@ -160,13 +160,21 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(
     local_groups.emplace_back(per_group[g], this->param_groups()[g].options().clone());
   }
   // A rank that owns no element (more ranks than elements) steps nothing.
-  if (!local_groups.empty()) local_ = make_local(std::move(local_groups));
+  if (!local_groups.empty()) {
+    local_ = make_local(std::move(local_groups));
+    TORCH_CHECK_VALUE(dynamic_cast<FusedAdamW*>(local_.get()) != nullptr ||
+                          dynamic_cast<FusedSGD*>(local_.get()) != nullptr,
+                      "ZeroRedundancyOptimizer: the local optimizer must be a FusedAdamW or a "
+                      "FusedSGD (its state is consolidated field by field)");
+    TORCH_CHECK_VALUE((dynamic_cast<FusedAdamW*>(local_.get()) != nullptr) == is_adamw(),
+                      "ZeroRedundancyOptimizer: the defaults are not the local optimizer's options");
+  }
 }
 
 std::unique_ptr<ZeroRedundancyOptimizer> ZeroRedundancyOptimizer::adamw(
     std::vector<OptimizerParamGroup> param_groups, FusedAdamWOptions defaults,
     c10::intrusive_ptr<c10d::ProcessGroup> group, ZeroOptions options,
-    const dist::Reducer* reducer) {
+    dist::Reducer* reducer) {
   auto make = [defaults](std::vector<OptimizerParamGroup> groups) -> std::unique_ptr<FusedOptimizer> {
     return std::make_unique<FusedAdamW>(std::move(groups), defaults);
   };
@@ -178,7 +186,7 @@ std::unique_ptr<ZeroRedundancyOptimizer> ZeroRedundancyOptimizer::adamw(
 std::unique_ptr<ZeroRedundancyOptimizer> ZeroRedundancyOptimizer::sgd(
     std::vector<OptimizerParamGroup> param_groups, FusedSGDOptions defaults,
     c10::intrusive_ptr<c10d::ProcessGroup> group, ZeroOptions options,
-    const dist::Reducer* reducer) {
+    dist::Reducer* reducer) {
   auto make = [defaults](std::vector<OptimizerParamGroup> groups) -> std::unique_ptr<FusedOptimizer> {
     return std::make_unique<FusedSGD>(std::move(groups), defaults);
   };
@@ -192,8 +200,9 @@ bool ZeroRedundancyOptimizer::is_adamw() const {
 }
 
 std::vector<at::Tensor> ZeroRedundancyOptimizer::grad_slices() const {
-  return reducer_ != nullptr ? shards_->slices_of_pieces(reducer_->grad_pieces())
-                             : shards_->grad_slices();
+  return reducer_ != nullptr
+             ? shards_->slices_of_pieces(reducer_->grad_pieces(), reducer_->has_gradient())
+             : shards_->grad_slices();
 }
 
 void ZeroRedundancyOptimizer::sync_options() {
@@ -269,11 +278,13 @@ at::Tensor ZeroRedundancyOptimizer::step(LossClosure closure) {
     }
     local_->set_amp_scaling(std::nullopt, std::nullopt);
   }
-  // The slices let go of the gradients (zero_grad must be able to free them).
+  // The slices let go of the gradients (zero_grad must be able to free
+  // them); stage 2's pieces are consumed: the next backward overwrites them.
   for (size_t k = 0; k < views.size(); ++k) {
     at::Tensor view = views[k];
     view.mutable_grad().reset();
   }
+  if (reducer_ != nullptr) reducer_->zero_grad_pieces();
   shards_->all_gather_params();
   return loss;
 }

@@ -49,17 +49,17 @@ class ZeroRedundancyOptimizer : public FusedOptimizer {
   ZeroRedundancyOptimizer(std::vector<torch::optim::OptimizerParamGroup> param_groups,
                           std::unique_ptr<torch::optim::OptimizerOptions> defaults,
                           LocalFactory make_local, c10::intrusive_ptr<c10d::ProcessGroup> group,
-                          ZeroOptions options = {}, const dist::Reducer* reducer = nullptr);
+                          ZeroOptions options = {}, dist::Reducer* reducer = nullptr);
 
   /// Over FusedAdamW / FusedSGD with `defaults` for every group.
   static std::unique_ptr<ZeroRedundancyOptimizer> adamw(
       std::vector<torch::optim::OptimizerParamGroup> param_groups, FusedAdamWOptions defaults,
       c10::intrusive_ptr<c10d::ProcessGroup> group, ZeroOptions options = {},
-      const dist::Reducer* reducer = nullptr);
+      dist::Reducer* reducer = nullptr);
   static std::unique_ptr<ZeroRedundancyOptimizer> sgd(
       std::vector<torch::optim::OptimizerParamGroup> param_groups, FusedSGDOptions defaults,
       c10::intrusive_ptr<c10d::ProcessGroup> group, ZeroOptions options = {},
-      const dist::Reducer* reducer = nullptr);
+      dist::Reducer* reducer = nullptr);
 
   /// The local optimizer's step over this rank's slices (the groups'
   /// options, e.g. lr, carried over first), then one all-gather per bucket.
@@ -100,7 +100,7 @@ class ZeroRedundancyOptimizer : public FusedOptimizer {
 
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   ZeroOptions options_;
-  const dist::Reducer* reducer_;
+  dist::Reducer* reducer_;
   std::unique_ptr<dist::ShardedParameters> shards_;
   std::vector<at::Tensor> all_params_;  // param_groups order
   std::vector<size_t> layout_index_;    // all_params_ index -> shards_ params index

@@ -233,6 +233,8 @@ PYBIND11_MODULE(_C, m) {
       .def("require_sync", &dist::Reducer::require_sync)
       .def("bucket_indices", &dist::Reducer::bucket_indices)
       .def("grad_pieces", &dist::Reducer::grad_pieces)
+      .def("has_gradient", &dist::Reducer::has_gradient)
+      .def("zero_grad_pieces", &dist::Reducer::zero_grad_pieces)
       .def("shard_gradients", &dist::Reducer::shard_gradients)
       // Waits for a device event on NCCL: without the GIL.
       .def("last_exposed_comm_seconds", &dist::Reducer::last_exposed_comm_seconds,
@@ -282,7 +284,14 @@ PYBIND11_MODULE(_C, m) {
              for (const auto& g : s.grad_slices()) out.push_back(maybe(g));
              return out;
            })
-      .def("slices_of_pieces", &dist::ShardedParameters::slices_of_pieces, py::arg("pieces"))
+      .def("slices_of_pieces",
+           [](const dist::ShardedParameters& s, const std::vector<at::Tensor>& pieces,
+              const std::vector<bool>& has) {
+             std::vector<std::optional<at::Tensor>> out;
+             for (const auto& g : s.slices_of_pieces(pieces, has)) out.push_back(maybe(g));
+             return out;
+           },
+           py::arg("pieces"), py::arg("has") = std::vector<bool>{})
       .def("all_gather_params", &dist::ShardedParameters::all_gather_params,
            py::call_guard<py::gil_scoped_release>())
       .def("gather",

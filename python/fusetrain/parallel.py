@@ -288,7 +288,14 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         runs out of data instead. As in torch, join mode reads small
         collectives on the host (the ranks still training with
         ``divide_by_initial_world_size=False``, the source rank of the
-        buffers' broadcast, a joined rank's view of who still trains)."""
+        buffers' broadcast, a joined rank's view of who still trains). Not
+        with ``shard_gradients`` (the sharded optimizer's all-gathers have no
+        shadow on a joined rank)."""
+        if self.shard_gradients:
+            raise ValueError(
+                "DistributedDataParallel.join: not supported with shard_gradients=True (the "
+                "ZeroRedundancyOptimizer's all-gathers have no shadow on a joined rank)"
+            )
         return Join(
             [self],
             enable,

@@ -77,6 +77,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
       whatever the world size it was saved with.
     - ``overlap_with_ddp=True`` (torch's DDP communication-hook protocol) is
       not supported: stage 2 overlaps the reduction with backward instead.
+    - Not ``Joinable``: uneven inputs (``DistributedDataParallel.join``) are
+      refused with ``shard_gradients`` and unsupported in stage 1 (a joined
+      rank would miss the all-gathers).
+    - After a scaled step, ``p.grad`` (stage 1) holds this rank's slices
+      unscaled and the rest as backward left them; stage 2 gradients
+      accumulate over synchronised backward passes until ``step`` or
+      ``zero_grad``, as ``p.grad`` does.
 
     Every method that moves state between ranks (``step``,
     ``consolidate_state_dict``, ``load_state_dict``, ``add_param_group``) is a
@@ -185,7 +192,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         groups = [local_groups[gi] for gi in self._local_groups]
         # A rank that owns no element (more ranks than elements) has no local optimizer.
         self.optim = self._optim_class(groups, **self._optim_defaults) if groups else None
-        self._step_supports_amp_scaling = bool(getattr(self.optim, "_step_supports_amp_scaling", False))
+        # A rank that owns no element still answers as the others do: the
+        # scaler's path (fused or not) and the groups' defaults come from an
+        # instance over a placeholder where it has no local optimizer.
+        like = self.optim
+        if like is None:
+            like = self._optim_class([torch.zeros(1, requires_grad=True)], **self._optim_defaults)
+        self._step_supports_amp_scaling = bool(getattr(like, "_step_supports_amp_scaling", False))
         # Options the local optimizer filled in (e.g. betas) show in param_groups, as torch's.
         if self.optim is not None:
             for gi, lg in zip(self._local_groups, self.optim.param_groups):
@@ -193,7 +206,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     if k != "params":
                         self.param_groups[gi].setdefault(k, v)
         for g in self.param_groups:
-            for k, v in (self.optim.defaults if self.optim is not None else {}).items():
+            for k, v in like.defaults.items():
                 g.setdefault(k, v)
 
     def _sync_param_groups(self) -> None:
@@ -207,7 +220,15 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
     def _grad_slices(self) -> List[Optional[torch.Tensor]]:
         if self._ddp is not None:
-            return list(self._shards.slices_of_pieces(self._ddp.reducer.grad_pieces()))
+            reducer = self._ddp.reducer
+            return list(self._shards.slices_of_pieces(reducer.grad_pieces(), reducer.has_gradient()))
+        params = self._all_params()
+        if params and id(params[0]) in _GRADIENT_SHARDING:
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer: these parameters' gradients are sharded by a "
+                "DistributedDataParallel(shard_gradients=True) made after this optimizer; make the "
+                "DDP first, then the optimizer"
+            )
         return list(self._shards.grad_slices())
 
     def _amp_gradients(self) -> List[Optional[torch.Tensor]]:
@@ -249,6 +270,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                     del self.optim.grad_scale, self.optim.found_inf
         for view in self._views:  # zero_grad must be able to free the gradients
             view.grad = None
+        if self._ddp is not None:  # consumed: the next backward overwrites the pieces
+            self._ddp.reducer.zero_grad_pieces()
         self._shards.all_gather_params()
         return loss
 
@@ -273,6 +296,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         for view in self._views:
             view.grad = None
+        if getattr(self, "_ddp", None) is not None:
+            self._ddp.reducer.zero_grad_pieces()
 
     # ------------------------------------------------------------ state
 
@@ -386,7 +411,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             begin = self._shards.slices()[k][2]
             entry = {}
             for key, val in src.items():
-                if isinstance(val, torch.Tensor) and val.dim() > 0 and val.numel() == p.numel():
+                # Per-element state has the parameter's size (a 0-dim one
+                # too); "step" is one count per parameter whatever its size.
+                if key != "step" and isinstance(val, torch.Tensor) and val.numel() == p.numel():
                     entry[key] = val.reshape(-1)[begin : begin + self._slice_numel[k]].clone()
                 else:
                     entry[key] = val.clone() if isinstance(val, torch.Tensor) else val
@@ -415,6 +442,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if not getattr(self, "_ready", False):
             super().add_param_group(param_group)
             return
+        if self._ddp is not None:
+            raise ValueError(
+                "ZeroRedundancyOptimizer.add_param_group: with shard_gradients the layout is the "
+                "DistributedDataParallel's; make a new DDP and optimizer over the new parameters"
+            )
         state = self._gather_state(-1)
         saved = {"state": state, "param_groups": self._param_groups_state()}
         super().add_param_group(param_group)

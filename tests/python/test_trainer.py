@@ -150,7 +150,8 @@ def test_communication_hooks_on_two_ranks(tmp_path):
     import yaml
 
     resolved = yaml.safe_load((runs["powersgd"] / "config.yaml").read_text())
-    assert resolved["parallel"] == {"comm_hook": "powersgd", "powersgd_rank": 2, "powersgd_start_iter": 2}
+    assert resolved["parallel"] == {"comm_hook": "powersgd", "powersgd_rank": 2, "powersgd_start_iter": 2,
+                                    "shard": "none"}
 
 
 def _free_port() -> int:

@@ -323,76 +323,182 @@ def sc_unsharded_into_sharded(pg, rank, world):
     return out
 
 
-def sc_lr_scheduler(pg, rank, world):
-    """A scheduler on the ZeRO optimizer's param_groups drives the local one."""
-    import fusetrain.optim as fo
+def _unsharded_vs_sharded(pg, rank, world, make_opt, steps, before_step=None, after_step=None):
+    """The largest parameter difference between ``steps`` steps with
+    ``make_opt(params, False, pg)`` and with ``make_opt(params, True, pg)`` (fusetrain
+    DDP, the data of _batch). ``before_step(step, model, opt, ddp)`` may
+    return a new DDP; ``after_step(opt)`` runs after each step."""
     from fusetrain.parallel import DistributedDataParallel as DDP
 
     results = []
-    for stage in (0, 1):
+    for sharded in (False, True):
         model = _model()
+        model.fc1.requires_grad_(before_step is None)
         ddp = DDP(model, process_group=pg)
-        opt = (fo.FusedAdamW(model.parameters(), lr=1e-2) if stage == 0 else
-               fo.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=fo.FusedAdamW, process_group=pg, lr=1e-2))
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.3)
-        for step in range(6):
+        opt = make_opt([p for p in model.parameters() if p.requires_grad], sharded, pg)
+        for step in range(steps):
+            if before_step is not None:
+                ddp = before_step(step, model, opt, ddp)
             opt.zero_grad()
             x, y = _batch(step, 4 * world)
             F.mse_loss(ddp(_shard(x, rank, world)), _shard(y, rank, world)).backward()
             opt.step()
-            sched.step()
+            if after_step is not None:
+                after_step(opt)
         results.append(_flat(model.parameters()))
     return {"max_diff": float((results[0] - results[1]).abs().max())}
+
+
+def _adamw(cls=None):
+    import fusetrain.optim as fo
+
+    cls = cls or fo.FusedAdamW
+
+    def make(params, sharded, pg):
+        if not sharded:
+            return cls(params, lr=1e-2)
+        return fo.ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=pg, lr=1e-2)
+
+    return make
+
+
+def sc_lr_scheduler(pg, rank, world):
+    """A scheduler on the ZeRO optimizer's param_groups drives the local one."""
+    scheds = {}
+
+    def after(opt):
+        scheds.setdefault(id(opt), torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.3)).step()
+
+    return _unsharded_vs_sharded(pg, rank, world, _adamw(), 6, after_step=after)
 
 
 def sc_torch_optimizer(pg, rank, world):
     """optimizer_class=torch.optim.AdamW: each rank runs torch's AdamW on its
     slices; the parameters are those of unsharded torch AdamW."""
-    import fusetrain.optim as fo
-    from fusetrain.parallel import DistributedDataParallel as DDP
-
-    results = []
-    for stage in (0, 1):
-        model = _model()
-        ddp = DDP(model, process_group=pg)
-        opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if stage == 0 else
-               fo.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
-                                          process_group=pg, lr=1e-2))
-        for step in range(10):
-            opt.zero_grad()
-            x, y = _batch(step, 4 * world)
-            F.mse_loss(ddp(_shard(x, rank, world)), _shard(y, rank, world)).backward()
-            opt.step()
-        results.append(_flat(model.parameters()))
-    return {"max_diff": float((results[0] - results[1]).abs().max())}
+    return _unsharded_vs_sharded(pg, rank, world, _adamw(torch.optim.AdamW), 10)
 
 
 def sc_add_param_group(pg, rank, world):
     """A group added after 5 steps (an unfrozen layer): the existing state
     is kept, and the run equals the unsharded one doing the same."""
+
+    def unfreeze(step, model, opt, ddp):
+        if step != 5:
+            return ddp
+        model.fc1.requires_grad_(True)
+        opt.add_param_group({"params": list(model.fc1.parameters()), "lr": 3e-3})
+        return torch.nn.parallel.DistributedDataParallel(model, process_group=pg)
+
+    return _unsharded_vs_sharded(pg, rank, world, _adamw(), 10, before_step=unfreeze)
+
+
+class WithUnusedAndScalar(nn.Module):
+    """A 0-dim parameter (a learned scale, as CLIP's logit_scale) and a
+    layer no rank ever uses (find_unused_parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = Odd()
+        self.scale = nn.Parameter(torch.tensor(0.7))
+        self.never = nn.Linear(5, 5)
+
+    def forward(self, x):
+        return self.body(x) * self.scale
+
+
+def sc_review_cases(pg, rank, world):
+    """Gradient accumulation without no_sync (two synchronised backward
+    passes per step), a layer unused on every rank (find_unused_parameters:
+    no gradient, so no weight decay either), a 0-dim parameter through
+    consolidate -> load_state_dict -> more steps: stage 1 and 2 equal the
+    unsharded run."""
     import fusetrain.optim as fo
+    from fusetrain.parallel import DistributedDataParallel as DDP
 
-    results = []
-    for stage in (0, 1):
-        model = _model()
-        model.fc1.requires_grad_(False)
-        from fusetrain.parallel import DistributedDataParallel as DDP
-
-        ddp = DDP(model, process_group=pg)
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = (fo.FusedAdamW(params, lr=1e-2) if stage == 0 else
-               fo.ZeroRedundancyOptimizer(params, optimizer_class=fo.FusedAdamW, process_group=pg, lr=1e-2))
-        for step in range(10):
-            if step == 5:
-                model.fc1.requires_grad_(True)
-                opt.add_param_group({"params": list(model.fc1.parameters()), "lr": 3e-3})
-                ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=pg)
+    def run(stage, steps, state=None, start=None):
+        torch.manual_seed(0)
+        model = WithUnusedAndScalar()
+        if start is not None:
+            model.load_state_dict(start)
+        ddp = DDP(model, process_group=pg, shard_gradients=stage == 2, find_unused_parameters=True,
+                  bucket_cap_mb=0.02)
+        # SGD: linear in the gradients, so the other rounding of an
+        # accumulated sum (avg(g1) + avg(g2) here, avg(avg(g1) + g2) through
+        # unsharded DDP) stays at rounding level (Adam's normalisation would
+        # magnify it where a gradient is near zero); weight decay would move
+        # a parameter stepped without a gradient.
+        kw = dict(lr=1e-2, momentum=0.9, weight_decay=1e-2)
+        opt = (fo.FusedSGD(model.parameters(), **kw) if stage == 0 else
+               fo.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=fo.FusedSGD,
+                                          process_group=pg, **kw))
+        if state is not None:
+            opt.load_state_dict(copy.deepcopy(state))
+        for step in range(steps):
             opt.zero_grad()
-            x, y = _batch(step, 4 * world)
-            F.mse_loss(ddp(_shard(x, rank, world)), _shard(y, rank, world)).backward()
+            for micro in range(2):  # both synchronised: the gradients add up
+                x, y = _batch(100 + 2 * step + micro, 4 * world)
+                F.mse_loss(ddp(_shard(x, rank, world)), _shard(y, rank, world)).backward()
             opt.step()
-        results.append(_flat(model.parameters()))
-    return {"max_diff": float((results[0] - results[1]).abs().max())}
+        return model, opt
+
+    out = {}
+    ref, ref_opt = run(0, 4)
+    ref_state = copy.deepcopy(ref_opt.state_dict())
+    ref8, _ = run(0, 4, ref_state, ref.state_dict())
+    for stage in (1, 2):
+        model, opt = run(stage, 4)
+        opt.consolidate_state_dict(to=0)
+        everyone = [None] * world
+        torch.distributed.all_gather_object(everyone, opt.state_dict() if rank == 0 else None, group=pg)
+        # the unsharded state of 4 steps, loaded again, for 4 more steps
+        model8, _ = run(stage, 4, everyone[0], model.state_dict())
+        out[stage] = {
+            "diff4": float((_flat(model.parameters()) - _flat(ref.parameters())).abs().max()),
+            "diff8": float((_flat(model8.parameters()) - _flat(ref8.parameters())).abs().max()),
+            "never_moved": float((model.never.weight - _model_never()).abs().max()),
+        }
+    out["ref_never_moved"] = float((ref.never.weight - _model_never()).abs().max())
+    return out
+
+
+def _model_never():
+    torch.manual_seed(0)
+    return WithUnusedAndScalar().never.weight.detach()
+
+
+def sc_rank_without_elements(pg, rank, world):
+    """A model of 7 elements: with 16-element pieces only rank 0 owns any.
+    With a loss scaler and an overflow on the last rank every rank takes the
+    same path (no hang) and the run equals the unsharded one."""
+    import fusetrain.amp
+    import fusetrain.optim as fo
+    from fusetrain.parallel import DistributedDataParallel as DDP
+
+    out = {}
+    for stage in (0, 1, 2):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1)  # 4 parameters ... plus a bias: 4 elements
+        model2 = nn.Linear(1, 3)  # 6 more
+        net = nn.Sequential(model, model2)
+        ddp = DDP(net, process_group=pg, shard_gradients=stage == 2)
+        opt = (fo.FusedAdamW(net.parameters(), lr=1e-2) if stage == 0 else
+               fo.ZeroRedundancyOptimizer(net.parameters(), optimizer_class=fo.FusedAdamW, process_group=pg, lr=1e-2))
+        scaler = fusetrain.amp.GradScaler("cpu", init_scale=2.0**8)
+        for step in range(5):
+            x = torch.randn(4, 3, generator=torch.Generator().manual_seed(step * 10 + rank))
+            if step == 2 and rank == world - 1:
+                x[0, 0] = float("inf")
+            opt.zero_grad()
+            scaler.scale(ddp(x).square().mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+        out[stage] = {"params": _flat(net.parameters()), "scale": scaler.get_scale(),
+                      "owns": len(opt._views) if stage else None}
+    return {
+        "diff": max(float((out[s]["params"] - out[0]["params"]).abs().max()) for s in (1, 2)),
+        "scales": [out[s]["scale"] for s in (0, 1, 2)],
+        "owns": out[1]["owns"],
+    }
 
 
 def sc_mismatched_settings(pg, rank, world):
@@ -482,7 +588,8 @@ def sc_nccl_world1(pg, rank, world):
 SUITES = {
     "core": [sc_fp32_adamw, sc_fp32_sgd, sc_bf16_master, sc_bf16_grads, sc_clipping, sc_no_sync, sc_scaler_skip,
              sc_bucket_view, sc_torch_ddp, sc_memory, sc_state_to_torch, sc_unsharded_into_sharded,
-             sc_lr_scheduler, sc_torch_optimizer, sc_add_param_group, sc_mismatched_settings],
+             sc_lr_scheduler, sc_torch_optimizer, sc_add_param_group, sc_review_cases,
+             sc_rank_without_elements, sc_mismatched_settings],
     "save": [sc_save_for_resume],
     "resume": [sc_resume_other_world],
     "nccl": [sc_nccl_world1],
@@ -619,6 +726,23 @@ def test_torch_optimizer_class(core):
 def test_add_param_group_keeps_state(core):
     for d in findings(core[1], "add_param_group"):
         assert d["max_diff"] <= FP32_TOL
+
+
+def test_accumulation_unused_layer_and_0dim_parameter(core):
+    for d in findings(core[1], "review_cases"):
+        assert d["ref_never_moved"] == 0.0  # unsharded: no gradient, no step
+        for stage in (1, 2):
+            assert d[stage]["never_moved"] == 0.0, (stage, d[stage])
+            assert d[stage]["diff4"] <= FP32_TOL and d[stage]["diff8"] <= FP32_TOL, (stage, d[stage])
+
+
+def test_a_rank_that_owns_nothing_takes_the_same_path(core):
+    world, results = core
+    data = findings(results, "rank_without_elements")
+    assert data[0]["owns"] > 0 and all(d["owns"] == 0 for d in data[1:])
+    for d in data:
+        assert d["diff"] <= FP32_TOL
+        assert d["scales"][0] == d["scales"][1] == d["scales"][2] == 2.0**7  # one overflow: halved
 
 
 def test_mismatched_shard_settings_fail_on_every_rank(core):
