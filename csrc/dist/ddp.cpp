@@ -507,6 +507,11 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     if (!bucket.work) return;
     wait_or_throw(bucket.work, "a gradient reduce-scatter");
     bucket.work.reset();
+    // On a device the wait ordered the current stream after the collective;
+    // the buffer was made on the stream the hooks ran on, which may be
+    // another: the allocator must not hand it out before this stream's
+    // work so far is done (with or without NCCL's own record_stream).
+    if (bucket.pooled.is_cuda()) bucket.pooled.record_stream(current_stream());
     if (shard_by_allreduce) {
       const at::Tensor mine =
           bucket.buffer.narrow(0, group->getRank() * piece_numel[b], piece_numel[b]);
@@ -640,6 +645,7 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
           at::Tensor add = buckets[b].fresh.to(pieces[b].scalar_type());
           if (post != 1.0) add.mul_(1.0 / post);
           pieces[b].add_(add);
+          if (buckets[b].fresh.is_cuda()) buckets[b].fresh.record_stream(current_stream());
           buckets[b].fresh = at::Tensor();
         } else {
           if (comm_pieces[b].defined()) pieces[b].copy_(comm_pieces[b]);
