@@ -338,12 +338,4 @@ at::Tensor ShardedParameters::any_non_finite(const std::vector<at::Tensor>& tens
   return at::where(t[0] > 0, std::numeric_limits<float>::infinity(), 0.0f).to(at::kFloat);
 }
 
-int64_t ShardedParameters::bytes_of(const std::vector<at::Tensor>& tensors) {
-  int64_t total = 0;
-  for (const auto& t : tensors) {
-    if (t.defined()) total += t.numel() * static_cast<int64_t>(t.element_size());
-  }
-  return total;
-}
-
 }  // namespace fusetrain::dist

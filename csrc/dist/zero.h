@@ -166,9 +166,6 @@ class ShardedParameters {
   /// hold an inf or NaN and 0 otherwise (one allreduce; no host sync on CUDA).
   at::Tensor any_non_finite(const std::vector<at::Tensor>& tensors) const;
 
-  /// Bytes of the given tensors' storage (per-rank memory accounting).
-  static int64_t bytes_of(const std::vector<at::Tensor>& tensors);
-
  private:
   at::Device device() const;
 

@@ -305,11 +305,18 @@ void ZeroRedundancyOptimizer::consolidate_state(int to) {
   const at::Device dev = collective_device(params.front());
   at::Tensor steps = at::full({static_cast<int64_t>(params.size())}, -1.0, at::kDouble);
   if (is_adamw()) {
+    std::vector<int64_t> owned;
+    std::vector<at::Tensor> counts;
     for (size_t k = 0; k < slices.size(); ++k) {
       const auto* s = state_of(k);
       if (s == nullptr) continue;
       const at::Tensor& step = static_cast<const FusedAdamWParamState&>(*s).step();
-      if (step.defined()) steps[static_cast<int64_t>(slices[k].param)] = step.item<double>();
+      if (!step.defined()) continue;
+      owned.push_back(static_cast<int64_t>(slices[k].param));
+      counts.push_back(step.reshape({}).to(at::kDouble));
+    }
+    if (!owned.empty()) {  // one read from the device, not one per slice
+      steps.index_put_({at::tensor(owned, at::kLong)}, at::stack(counts).to(at::kCPU));
     }
     std::vector<at::Tensor> t{steps.to(dev)};
     c10d::AllreduceOptions opts;
