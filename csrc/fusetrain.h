@@ -12,6 +12,7 @@
 #include <fusetrain/nn/cross_entropy.h>
 #include <fusetrain/ops/amp.h>
 #include <fusetrain/ops/cpu_features.h>
+#include <fusetrain/ops/fp8.h>
 #include <fusetrain/ops/optim.h>
 #include <fusetrain/optim/fused.h>
 #include <fusetrain/optim/zero.h>

@@ -53,4 +53,17 @@ TORCH_LIBRARY(fusetrain, m) {
   m.def(
       "softmax_cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, "
       "Tensor lse, int ignore_index, float label_smoothing, str reduction) -> Tensor");
+
+  // Float8 quantisation with a per-tensor scale, Note [Float8 scaling]
+  // (csrc/kernels/fp8_scaling.h): `dtype` is float8_e4m3fn or float8_e5m2;
+  // finite values saturate, inf/NaN stay non-finite. Current scaling sets
+  // `amax` to max|self| and `scale` from it; delayed scaling sets `scale` from
+  // the history's largest finite amax, then shifts the history and records
+  // max|self| first. Both return self * scale in `dtype`; no host sync.
+  m.def(
+      "fp8_quantize_current(Tensor self, ScalarType dtype, Tensor(a!) scale, Tensor(b!) amax, "
+      "int margin=0) -> Tensor");
+  m.def(
+      "fp8_quantize_delayed(Tensor self, ScalarType dtype, Tensor(a!) scale, "
+      "Tensor(b!) amax_history, int margin=0) -> Tensor");
 }

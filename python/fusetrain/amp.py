@@ -21,6 +21,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 
 from . import _C
+from .float8 import DEFAULT_FP8_MIN_FEATURES, Float8Linear, Float8Recipe
 
 __all__ = [
     "Policy",
@@ -32,6 +33,8 @@ __all__ = [
     "apply_policy",
     "GradScaler",
     "OptState",
+    "Float8Linear",
+    "Float8Recipe",
 ]
 
 
@@ -41,6 +44,7 @@ _POLICY_DTYPES = {
     "float32": torch.float32,
     "mixed_float16": torch.float16,
     "mixed_bfloat16": torch.bfloat16,
+    "mixed_float8": torch.bfloat16,
 }
 
 
@@ -52,6 +56,9 @@ class Policy:
     - ``"mixed_float16"``: compute in float16, variables in float32. Use a
       :class:`GradScaler`: fp16 gradients underflow without loss scaling.
     - ``"mixed_bfloat16"``: compute in bfloat16, variables in float32.
+    - ``"mixed_float8"``: ``"mixed_bfloat16"``, plus float8 GEMMs in the
+      large ``nn.Linear`` layers that :func:`apply_policy` swaps for
+      :class:`Float8Linear` (CUDA compute capability >= 8.9, or the CPU).
     - ``"auto"``: :func:`best_policy` of the default device (CUDA when one is
       visible, else the CPU); the policy takes that name, and :attr:`reason`
       says why.
@@ -73,7 +80,7 @@ class Policy:
 
     @property
     def name(self) -> str:
-        """One of the three concrete names ("auto" is resolved)."""
+        """One of the concrete names ("auto" is resolved)."""
         return self._name
 
     @property
@@ -92,6 +99,11 @@ class Policy:
     @property
     def is_mixed(self) -> bool:
         return self._name != "float32"
+
+    @property
+    def is_float8(self) -> bool:
+        """True for ``"mixed_float8"``: large Linear layers compute in float8."""
+        return self._name == "mixed_float8"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Policy) and other._name == self._name
@@ -292,10 +304,38 @@ class _PolicyExit:
         return None
 
 
+def _swap_float8_linears(model: torch.nn.Module, min_features: int, recipe) -> list:
+    """Replaces the eligible nn.Linear submodules of ``model`` by Float8Linear
+    (see :func:`apply_policy`); returns their names."""
+    islands = [name for name, m in model.named_modules() if getattr(m, "_fusetrain_float32", False)]
+
+    def in_island(name: str) -> bool:
+        return any(i == "" or name == i or name.startswith(i + ".") for i in islands)
+
+    swapped = []
+    for name, module in list(model.named_modules()):
+        if type(module) is not torch.nn.Linear or in_island(name):
+            continue
+        n_in, n_out = module.in_features, module.out_features
+        if min(n_in, n_out) < min_features or n_in % 16 or n_out % 16:
+            continue
+        owner, _, attr = name.rpartition(".")
+        if not attr:
+            raise ValueError(
+                "apply_policy: the model itself is an nn.Linear; wrap it or use "
+                "Float8Linear.from_linear(model)"
+            )
+        setattr(model.get_submodule(owner), attr, Float8Linear.from_linear(module, recipe))
+        swapped.append(name)
+    return swapped
+
+
 def apply_policy(
     model: torch.nn.Module,
     policy: Union[Policy, str, None] = None,
     float32_modules: Iterable[Union[type, str]] = (),
+    fp8_min_features: Optional[int] = None,
+    recipe: Union[Float8Recipe, str, None] = None,
 ) -> torch.nn.Module:
     """Applies a precision policy to a model, the Keras way.
 
@@ -305,10 +345,27 @@ def apply_policy(
       the device of the model's parameters.
     - Submodules matching ``float32_modules`` (module types, or names as in
       ``model.named_modules()``) become float32 islands (:func:`keep_float32`).
+    - ``"mixed_float8"`` also replaces every ``torch.nn.Linear`` (the class
+      itself, not subclasses) outside the float32 islands whose in and out
+      features are both >= ``fp8_min_features`` (default
+      ``fusetrain.float8.DEFAULT_FP8_MIN_FEATURES``, 1024) and multiples of 16
+      by a :class:`Float8Linear` with the same parameters, scaled by
+      ``recipe`` (a :class:`Float8Recipe`, ``"delayed"`` (default) or
+      ``"current"``). The others compute in bfloat16. The swapped names are
+      in ``model.fusetrain_float8_modules``.
 
     Returns ``model``. An unknown name is a ``ValueError`` naming it.
     """
     policy = global_policy() if policy is None else Policy(policy)
+    if not policy.is_float8 and (fp8_min_features is not None or recipe is not None):
+        raise ValueError(
+            f"apply_policy: fp8_min_features and recipe apply to the mixed_float8 policy, "
+            f"not {policy.name}"
+        )
+    if fp8_min_features is None:
+        fp8_min_features = DEFAULT_FP8_MIN_FEATURES
+    if not isinstance(fp8_min_features, int) or fp8_min_features < 1:
+        raise ValueError(f"apply_policy: fp8_min_features must be a positive int, got {fp8_min_features!r}")
     for p in model.parameters():
         if p.is_floating_point() and p.dtype != policy.variable_dtype:
             p.data = p.data.to(policy.variable_dtype)
@@ -333,6 +390,9 @@ def apply_policy(
             raise TypeError(
                 f"float32_modules entries must be module types or names, got {sel!r}"
             )
+
+    if policy.is_float8:
+        model.fusetrain_float8_modules = _swap_float8_linears(model, fp8_min_features, recipe)
 
     for hook in getattr(model, "_fusetrain_policy_hooks", ()):
         hook.remove()

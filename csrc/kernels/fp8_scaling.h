@@ -1,0 +1,74 @@
+// The float8 scaling rule and the saturating cast's edge cases, defined once
+// for the CPU ops (csrc/ops/fp8.cpp) and the CUDA kernels (fp8_kernels.cu), so
+// both compute the same scale to the bit. Plain C++; no torch, no CUDA runtime.
+#pragma once
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define FUSETRAIN_HOST_DEVICE __host__ __device__
+#else
+#define FUSETRAIN_HOST_DEVICE
+#endif
+
+namespace fusetrain::kernels::fp8 {
+
+/// Largest finite values of the two formats (OCP FP8: e4m3fn has no inf).
+constexpr float kE4M3Max = 448.f;
+constexpr float kE5M2Max = 57344.f;
+
+constexpr uint32_t kAbsMask = 0x7fffffffu;
+constexpr uint32_t kInfBits = 0x7f800000u;
+
+FUSETRAIN_HOST_DEVICE inline uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+#endif
+}
+
+FUSETRAIN_HOST_DEVICE inline float bits_float(uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(b);
+#else
+  float x;
+  std::memcpy(&x, &b, sizeof x);
+  return x;
+#endif
+}
+
+/// |x|'s bit pattern. As unsigned integers these order like |x|, with inf
+/// above every finite value and NaN above inf, so the amax of a tensor is one
+/// integer max (an atomicMax on the GPU) and a NaN anywhere makes it NaN.
+FUSETRAIN_HOST_DEVICE inline uint32_t abs_bits(float x) { return float_bits(x) & kAbsMask; }
+
+/// Note [Float8 scaling]: the scale that maps `amax` onto the format's largest
+/// value with `margin` binades of head-room, Transformer Engine's rule:
+///   scale = fp8_max / amax / 2^margin,   capped at FLT_MAX (a tiny amax);
+/// an amax that is zero, inf or NaN keeps `prev_scale` (nothing to learn from
+/// it), so one overflowing step cannot poison the scale.
+FUSETRAIN_HOST_DEVICE inline float scale_from_amax(float amax, float prev_scale, float fp8_max,
+                                                   int margin) {
+  if (!(amax > 0.f) || abs_bits(amax) >= kInfBits) return prev_scale;
+  const float scale = ldexpf(fp8_max / amax, -margin);
+  return abs_bits(scale) >= kInfBits ? FLT_MAX : scale;
+}
+
+/// The float8 byte of a non-finite input, as torch's (c10's) casts write it:
+/// e4m3fn has no inf, so inf and NaN become NaN (0x7f); e5m2 keeps inf (0x7c)
+/// and NaN (0x7f). The sign is kept. Non-finite values pass through the
+/// saturating cast this way so that GradScaler still sees the overflow.
+FUSETRAIN_HOST_DEVICE inline uint8_t non_finite_byte(float x, bool e5m2) {
+  const uint32_t b = float_bits(x);
+  const uint8_t sign = static_cast<uint8_t>((b >> 24) & 0x80u);
+  if (!e5m2) return static_cast<uint8_t>(0x7fu | sign);
+  return static_cast<uint8_t>(((b & kAbsMask) > kInfBits ? 0x7fu : 0x7cu) | sign);
+}
+
+}  // namespace fusetrain::kernels::fp8

@@ -1,0 +1,309 @@
+"""8-bit floating point linear layers: the ``mixed_float8`` policy's GEMMs.
+
+A :class:`Float8Linear` is an ``nn.Linear`` (same parameters and state-dict
+keys) whose three GEMMs run in float8 through ``torch._scaled_mm``, the
+"hybrid" format of Transformer Engine: the input and the weight in e4m3 in the
+forward, the output gradient in e5m2 in the backward, fp32 accumulation. The
+weight stays an fp32 master; its gradient is fp32.
+
+Each of the three operands (input, weight, output gradient) has its own
+per-tensor scale, chosen by a :class:`Float8Recipe` (Note [Float8 scaling] in
+``csrc/kernels/fp8_scaling.h``)::
+
+    scale = fp8_max / amax / 2**margin      (448 for e4m3, 57344 for e5m2)
+
+- ``"current"`` scaling: ``amax`` is this tensor's own max |x|: two passes
+  over it (the amax, then the cast).
+- ``"delayed"`` scaling: ``amax`` is the largest of the last
+  ``amax_history_len`` amaxes of the operand (the first call seeds the
+  history with the current amax); the cast records this call's amax in the
+  same pass. An inf/NaN amax is recorded but never used.
+
+Both run on the device without a host sync (``fusetrain::fp8_quantize_*``),
+so a step can be captured in a ``fuse_steps`` CUDA graph. The scaling state
+is two buffers, saved in checkpoints:
+
+- ``fp8_scale`` ``[3]``: the scales last used for input, weight and output
+  gradient;
+- ``fp8_amax_history`` ``[3, H]``: their amaxes, newest first (``H = 1`` for
+  current scaling).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+from . import _C  # noqa: F401  (registers the fusetrain ops)
+
+__all__ = ["Float8Recipe", "Float8Linear", "DEFAULT_FP8_MIN_FEATURES"]
+
+_INPUT, _WEIGHT, _GRAD = 0, 1, 2
+
+#: Default ``fp8_min_features`` of :func:`fusetrain.amp.apply_policy`: a
+#: ``Linear`` runs in float8 only when its in and out features both reach it.
+#: 1024 follows the published Hopper measurements of torchao's float8
+#: training, where tensorwise float8 overtakes bf16 from about K = N = 1024 at
+#: large batch; bench/bench_fp8.py measures the crossover on our GPU box.
+DEFAULT_FP8_MIN_FEATURES = 1024
+
+
+class Float8Recipe:
+    """How a :class:`Float8Linear` picks its scales.
+
+    Args:
+        scaling: ``"delayed"`` (default; Transformer Engine's
+            ``DelayedScaling``) or ``"current"``.
+        amax_history_len: amaxes kept per operand for delayed scaling
+            (default 16); ignored by current scaling.
+        margin: binades of head-room below the format's maximum (default 0).
+    """
+
+    __slots__ = ("scaling", "amax_history_len", "margin")
+
+    def __init__(self, scaling: str = "delayed", amax_history_len: int = 16, margin: int = 0):
+        if scaling not in ("delayed", "current"):
+            raise ValueError(f'Float8Recipe: scaling must be "delayed" or "current", got {scaling!r}')
+        if not isinstance(amax_history_len, int) or amax_history_len < 1:
+            raise ValueError(
+                f"Float8Recipe: amax_history_len must be a positive int, got {amax_history_len!r}"
+            )
+        if not isinstance(margin, int) or not 0 <= margin < 128:
+            raise ValueError(f"Float8Recipe: margin must be an int in [0, 128), got {margin!r}")
+        self.scaling = scaling
+        self.amax_history_len = amax_history_len
+        self.margin = margin
+
+    @property
+    def history_len(self) -> int:
+        """Length of the amax history buffer (1 for current scaling)."""
+        return self.amax_history_len if self.scaling == "delayed" else 1
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Float8Recipe) and all(
+            getattr(self, k) == getattr(other, k) for k in self.__slots__
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f'Float8Recipe(scaling="{self.scaling}", amax_history_len={self.amax_history_len}, '
+            f"margin={self.margin})"
+        )
+
+
+_CURRENT = Float8Recipe(scaling="current")
+
+
+def _as_recipe(recipe: Union[Float8Recipe, str, None]) -> Float8Recipe:
+    if recipe is None:
+        return Float8Recipe()
+    if isinstance(recipe, str):
+        return Float8Recipe(scaling=recipe)
+    if isinstance(recipe, Float8Recipe):
+        return recipe
+    raise TypeError(f'recipe must be a Float8Recipe, "delayed" or "current", got {recipe!r}')
+
+
+@functools.lru_cache(maxsize=None)
+def _check_fp8_device(device: torch.device) -> None:
+    """Float8 GEMMs run on the CPU (torch's reference _scaled_mm) and on CUDA
+    GPUs of compute capability 8.9 or newer; anything else is an error, never
+    a silent bf16 fall-back."""
+    if device.type == "cpu":
+        return
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 9):
+            raise RuntimeError(
+                f"mixed_float8: {torch.cuda.get_device_name(device)} ({device}) has compute "
+                f"capability {major}.{minor}; float8 GEMMs need 8.9 (Ada) or 9.0 (Hopper) or "
+                f'newer. Use the "mixed_bfloat16" policy on this GPU'
+            )
+        return
+    raise RuntimeError(
+        f'mixed_float8: no float8 GEMM for device type "{device.type}" (float8 runs on CUDA '
+        f'GPUs of compute capability >= 8.9 and on the CPU); use "mixed_bfloat16"'
+    )
+
+
+def _quantize(x, dtype, scale, history, recipe, seeded: bool):
+    """Casts x to float8 with the recipe's scale, updating scale/history in place."""
+    if recipe.scaling == "delayed" and seeded:
+        return torch.ops.fusetrain.fp8_quantize_delayed(x, dtype, scale, history, recipe.margin)
+    # Current scaling, and the first delayed call, which seeds history[0].
+    return torch.ops.fusetrain.fp8_quantize_current(x, dtype, scale, history[:1], recipe.margin)
+
+
+def _column_major(q: torch.Tensor) -> torch.Tensor:
+    """The same matrix laid out column-major (``_scaled_mm``'s second operand)."""
+    return q.t().contiguous().t()
+
+
+def _pad_rows(q: torch.Tensor, multiple: int) -> torch.Tensor:
+    """q with zero rows appended up to a multiple of ``multiple`` rows (CUDA's
+    _scaled_mm wants the reduced dimension a multiple of 16; zero rows add
+    nothing to the product)."""
+    extra = -q.shape[0] % multiple
+    if extra == 0:
+        return q
+    bytes_ = F.pad(q.view(torch.uint8), (0, 0, 0, extra))
+    return bytes_.view(q.dtype)
+
+
+class _Float8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight, bias, scale, history, recipe, out_dtype, seeded):
+        in_features = weight.shape[1]
+        x = input.reshape(-1, in_features)
+        qx = _quantize(x, torch.float8_e4m3fn, scale[_INPUT : _INPUT + 1], history[_INPUT],
+                       recipe, seeded[_INPUT])
+        qw = _quantize(weight, torch.float8_e4m3fn, scale[_WEIGHT : _WEIGHT + 1],
+                       history[_WEIGHT], recipe, seeded[_WEIGHT])
+        seeded[_INPUT] = seeded[_WEIGHT] = True
+        # The dequantisation factors of these casts; the buffers move on.
+        inv_x = scale[_INPUT].reciprocal()
+        inv_w = scale[_WEIGHT].reciprocal()
+        fused_bias = bias is not None and out_dtype != torch.float32
+        out = torch._scaled_mm(
+            qx, qw.t(), scale_a=inv_x, scale_b=inv_w,
+            bias=bias.to(out_dtype) if fused_bias else None,
+            out_dtype=out_dtype, use_fast_accum=True,
+        )
+        if bias is not None and not fused_bias:
+            out = out + bias.to(out_dtype)
+        ctx.save_for_backward(qx, qw, inv_x, inv_w, scale, history)
+        ctx.recipe, ctx.seeded = recipe, seeded
+        ctx.input_shape, ctx.input_dtype = input.shape, input.dtype
+        ctx.has_bias = bias is not None
+        return out.reshape(*input.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        qx, qw, inv_x, inv_w, scale, history = ctx.saved_tensors
+        out_features = qw.shape[0]
+        g = grad_output.reshape(-1, out_features)
+        qg = _quantize(g, torch.float8_e5m2, scale[_GRAD : _GRAD + 1], history[_GRAD],
+                       ctx.recipe, ctx.seeded[_GRAD])
+        ctx.seeded[_GRAD] = True
+        inv_g = scale[_GRAD].reciprocal()
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_input = torch._scaled_mm(
+                qg, _column_major(qw), scale_a=inv_g, scale_b=inv_w, out_dtype=ctx.input_dtype
+            ).reshape(ctx.input_shape)
+        if ctx.needs_input_grad[1]:
+            multiple = 16 if qg.is_cuda else 1
+            grad_weight = torch._scaled_mm(
+                _pad_rows(qg, multiple).t().contiguous(), _column_major(_pad_rows(qx, multiple)),
+                scale_a=inv_g, scale_b=inv_x, out_dtype=torch.float32,
+            )
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = g.sum(0, dtype=torch.float32)
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
+class Float8Linear(torch.nn.Linear):
+    """``nn.Linear`` with float8 GEMMs (see the module docstring).
+
+    Same constructor as ``torch.nn.Linear`` plus ``recipe`` (a
+    :class:`Float8Recipe`, ``"delayed"`` or ``"current"``). Parameters and
+    their state-dict keys are ``nn.Linear``'s; the scaling state adds the
+    buffers ``fp8_scale`` and ``fp8_amax_history``. Loading an ``nn.Linear``
+    state dict (without them) starts the scaling state afresh.
+
+    Under autocast the output is in the autocast dtype (bf16 under
+    ``mixed_float8``), else in the input's dtype. A float32 island
+    (:func:`fusetrain.amp.keep_float32`) runs the plain fp32 ``F.linear``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 dtype=None, recipe: Union[Float8Recipe, str, None] = None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_fp8_state(_as_recipe(recipe), self.weight.device)
+
+    def _init_fp8_state(self, recipe: Float8Recipe, device) -> None:
+        self.recipe = recipe
+        self.register_buffer("fp8_scale", torch.ones(3, dtype=torch.float32, device=device))
+        self.register_buffer(
+            "fp8_amax_history",
+            torch.zeros(3, recipe.history_len, dtype=torch.float32, device=device),
+        )
+        # Per operand: has the delayed history seen a tensor yet? (A host
+        # flag, so the step never reads the device to find out.)
+        self._fp8_seeded = [False, False, False]
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear,
+                    recipe: Union[Float8Recipe, str, None] = None) -> "Float8Linear":
+        """A Float8Linear sharing ``linear``'s parameters (the same Parameter
+        objects, so an optimizer made before still updates them)."""
+        if not isinstance(linear, torch.nn.Linear):
+            raise TypeError(f"Float8Linear.from_linear expects an nn.Linear, got {type(linear).__name__}")
+        new = cls.__new__(cls)
+        torch.nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.training = linear.training
+        new._init_fp8_state(_as_recipe(recipe), linear.weight.device)
+        return new
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if getattr(self, "_fusetrain_float32", False):
+            return F.linear(input, self.weight, self.bias)
+        _check_fp8_device(input.device)
+        scale, history, recipe, seeded = (
+            self.fp8_scale, self.fp8_amax_history, self.recipe, self._fp8_seeded
+        )
+        if not self.training:
+            # Evaluation scales each tensor by itself and leaves the training
+            # state alone: how often a run evaluates cannot change its steps.
+            scale = torch.ones(3, dtype=torch.float32, device=scale.device)
+            history = torch.zeros(3, 1, dtype=torch.float32, device=scale.device)
+            recipe, seeded = _CURRENT, [True, True, True]
+        device_type = input.device.type
+        if torch.is_autocast_enabled(device_type):
+            out_dtype = torch.get_autocast_dtype(device_type)
+        else:
+            out_dtype = input.dtype
+        return _Float8LinearFunction.apply(
+            input, self.weight, self.bias, scale, history, recipe, out_dtype, seeded
+        )
+
+    def reset_fp8_state(self) -> None:
+        """Scales back to 1, histories emptied (the next call re-seeds them)."""
+        with torch.no_grad():
+            self.fp8_scale.fill_(1.0)
+            self.fp8_amax_history.zero_()
+        self._fp8_seeded = [False, False, False]
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        fp8_keys = [prefix + "fp8_scale", prefix + "fp8_amax_history"]
+        present = [k in state_dict for k in fp8_keys]
+        history = state_dict.get(fp8_keys[1])
+        if history is not None and tuple(history.shape) != tuple(self.fp8_amax_history.shape):
+            error_msgs.append(
+                f"size mismatch for {fp8_keys[1]}: copying a history of shape "
+                f"{tuple(history.shape)}, this layer's recipe ({self.recipe}) keeps "
+                f"{tuple(self.fp8_amax_history.shape)}; make the layer with the recipe the "
+                f"checkpoint was trained with"
+            )
+            return
+        before = len(missing_keys)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if not any(present):
+            # An nn.Linear checkpoint: keep the weights, start the scaling afresh.
+            missing_keys[before:] = [k for k in missing_keys[before:] if k not in fp8_keys]
+            self.reset_fp8_state()
+        else:
+            # One read at load time: which histories hold data already.
+            seen = (self.fp8_amax_history.abs().amax(dim=1) > 0).tolist()
+            self._fp8_seeded = [bool(s) for s in seen]
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe}"

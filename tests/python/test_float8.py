@@ -1,0 +1,614 @@
+"""The mixed_float8 policy: quantisation ops, scaling recipes, Float8Linear,
+apply_policy's swap, training and checkpoints.
+
+References are computed another way: the float8 rounding from the table of
+all 256 codes (nearest, ties to the even code), the GEMMs in float64 from the
+dequantised operands, the scaling rule in numpy float32, and the error of
+float8 against the unquantised product bounded from e4m3/e5m2's precision.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import fusetrain.amp
+from fusetrain.amp import Float8Linear, Float8Recipe, Policy, apply_policy
+from fusetrain.float8 import _check_fp8_device
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+MANTISSA_BITS = {E4M3: 3, E5M2: 2}
+# Half the smallest subnormal: the absolute rounding error near zero.
+HALF_MIN_SUBNORMAL = {E4M3: 2.0**-10, E5M2: 2.0**-17}
+FLT_MAX = float(np.finfo(np.float32).max)
+
+current_op = torch.ops.fusetrain.fp8_quantize_current
+delayed_op = torch.ops.fusetrain.fp8_quantize_delayed
+
+
+# ------------------------------------------------------------ the reference
+
+
+def code_table(dtype):
+    """(values, codes) of the non-negative finite codes in increasing order."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    values = codes.view(dtype).double()
+    keep = torch.isfinite(values) & (codes < 0x80)
+    return values[keep].numpy(), codes[keep].numpy().astype(np.int64)
+
+
+def reference_quantize(x: torch.Tensor, scale: float, dtype) -> np.ndarray:
+    """Bytes of saturate(x * scale), nearest with ties to the even code, from
+    the code table; x * scale is rounded to float32 first, as the op computes
+    it. Non-finite x: e4m3 NaN (0x7f), e5m2 inf (0x7c) or NaN (0x7f), signed."""
+    values, codes = code_table(dtype)
+    xf = x.float().numpy().astype(np.float32).ravel()
+    with np.errstate(over="ignore"):
+        y = (xf * np.float32(scale)).astype(np.float32)
+    sign = np.signbit(xf).astype(np.int64) << 7
+    a = np.minimum(np.abs(y.astype(np.float64)), values[-1])
+    hi = np.clip(np.searchsorted(values, a), 0, len(values) - 1)
+    lo = np.clip(hi - 1, 0, len(values) - 1)
+    d_lo, d_hi = a - values[lo], values[hi] - a
+    pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (codes[hi] % 2 == 0))
+    out = np.where(pick_hi, codes[hi], codes[lo])
+    out[a == values[hi]] = codes[hi][a == values[hi]]
+    nonfinite = ~np.isfinite(xf)
+    if dtype == E4M3:
+        out[nonfinite] = 0x7F
+    else:
+        out[nonfinite] = np.where(np.isnan(xf[nonfinite]), 0x7F, 0x7C)
+    return (out | sign).astype(np.uint8).reshape(x.shape)
+
+
+def reference_scale(amax: float, prev: float, dtype, margin: int = 0) -> float:
+    """Note [Float8 scaling] in numpy float32."""
+    if not (amax > 0) or not np.isfinite(amax):
+        return prev
+    with np.errstate(over="ignore"):
+        s = np.float32(FP8_MAX[dtype]) / np.float32(amax)
+        s = np.float32(s / np.float32(2.0**margin))
+    return FLT_MAX if np.isinf(s) else float(s)
+
+
+def wide_range(n: int, seed: int = 0) -> torch.Tensor:
+    """Values over many binades, both signs, some exact zeros."""
+    g = torch.Generator().manual_seed(seed)
+    mant = torch.rand(n, generator=g) + 0.5
+    expo = torch.randint(-24, 12, (n,), generator=g).float()
+    sign = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    x = sign * mant * torch.exp2(expo)
+    x[:: 97] = 0.0
+    return x
+
+
+def midpoints(dtype) -> torch.Tensor:
+    """Every value half-way between two adjacent codes, and the codes themselves."""
+    values, _ = code_table(dtype)
+    mids = (values[1:] + values[:-1]) / 2
+    both = np.concatenate([values, mids, -values, -mids])
+    return torch.from_numpy(both).float()
+
+
+def as_bytes(q: torch.Tensor) -> np.ndarray:
+    return q.view(torch.uint8).numpy()
+
+
+# ------------------------------------------------------- quantisation ops
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_codes_and_midpoints_round_to_nearest_even(dtype):
+    x = midpoints(dtype)
+    scale = torch.ones(1)
+    # amax = the format's max, so the scale the op picks is exactly 1.
+    q = current_op(x, dtype, scale, torch.zeros(1))
+    assert scale.item() == 1.0
+    np.testing.assert_array_equal(as_bytes(q), reference_quantize(x, 1.0, dtype))
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_current_scaling_matches_the_reference(dtype, in_dtype, margin):
+    x = wide_range(278011).to(in_dtype)
+    x[5] = FP8_MAX[dtype] if in_dtype == torch.float32 else x[5]
+    scale, amax = torch.full((1,), 3.0), torch.zeros(1)
+    q = current_op(x, dtype, scale, amax, margin)
+    expected_amax = x.float().abs().max().item()
+    assert amax.item() == expected_amax
+    expected_scale = reference_scale(expected_amax, 3.0, dtype, margin)
+    assert scale.item() == expected_scale
+    assert q.dtype == dtype and q.shape == x.shape
+    np.testing.assert_array_equal(as_bytes(q), reference_quantize(x, expected_scale, dtype))
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_saturation_non_finite_values_and_strided_input(dtype):
+    x = torch.tensor([1.0, -1.0, 3e4, -3e4, float("inf"), -float("inf"), float("nan"), 0.0, -0.0])
+    # A scale so large that finite values overflow float32 when multiplied.
+    bytes_ = as_bytes(delayed_op(x, dtype, torch.full((1,), FLT_MAX), torch.zeros(1)))
+    np.testing.assert_array_equal(bytes_, reference_quantize(x, FLT_MAX, dtype))
+    top = 0x7E if dtype == E4M3 else 0x7B
+    assert list(bytes_[:4]) == [top, 0x80 | top, top, 0x80 | top]  # saturated, not inf/NaN
+    strided = wide_range(4000).reshape(40, 100).t()[3:, ::2]
+    q = current_op(strided, dtype, torch.ones(1), torch.zeros(1))
+    ref = current_op(strided.contiguous(), dtype, torch.ones(1), torch.zeros(1))
+    np.testing.assert_array_equal(as_bytes(q), as_bytes(ref))
+
+
+def test_scale_rule_edge_cases():
+    dtype = E4M3
+    # zero amax keeps the previous scale; so do inf and NaN amaxes.
+    for x, note in [(torch.zeros(7), "zero"), (torch.tensor([1.0, float("inf")]), "inf"),
+                    (torch.tensor([1.0, float("nan")]), "nan")]:
+        scale, amax = torch.full((1,), 0.25), torch.zeros(1)
+        q = current_op(x, dtype, scale, amax)
+        assert scale.item() == 0.25, note
+        if note == "nan":
+            assert amax.isnan().item() and q.float().isnan()[1]
+    # A tiny amax would give an infinite scale: capped at FLT_MAX.
+    scale = torch.ones(1)
+    current_op(torch.tensor([1e-39]), dtype, scale, torch.zeros(1))
+    assert scale.item() == FLT_MAX
+
+
+def test_bad_arguments_name_what_is_wrong():
+    x = torch.randn(8)
+    with pytest.raises(RuntimeError, match="dtype must be torch.float8_e4m3fn or torch.float8_e5m2"):
+        current_op(x, torch.float16, torch.ones(1), torch.zeros(1))
+    with pytest.raises(RuntimeError, match="scale must hold exactly one element"):
+        current_op(x, E4M3, torch.ones(2), torch.zeros(1))
+    with pytest.raises(RuntimeError, match="amax_history must be a contiguous 1-D"):
+        delayed_op(x, E4M3, torch.ones(1), torch.zeros(2, 2))
+    with pytest.raises(RuntimeError, match="self must be float32, float16 or bfloat16"):
+        current_op(x.double(), E4M3, torch.ones(1), torch.zeros(1))
+    with pytest.raises(RuntimeError, match="margin must be in"):
+        current_op(x, E4M3, torch.ones(1), torch.zeros(1), -1)
+
+
+def test_delayed_scaling_rolls_the_history_and_follows_the_formula():
+    dtype, margin, H = E5M2, 1, 4
+    history, scale = torch.zeros(H), torch.ones(1)
+    model_history, model_scale = [0.0] * H, 1.0
+    xs = [wide_range(1000, seed=s) * m for s, m in enumerate([1.0, 8.0, 0.5, 2.0, 1.0, 0.25, 0.25])]
+    xs[3] = xs[3].clone()
+    xs[3][10] = float("inf")  # an overflowing step: recorded, never used
+    for x in xs:
+        q = delayed_op(x, dtype, scale, history, margin)
+        finite = [a for a in model_history if np.isfinite(a)]
+        model_scale = reference_scale(max(finite), model_scale, dtype, margin)
+        model_history = [x.abs().max().item()] + model_history[:-1]
+        assert scale.item() == model_scale
+        np.testing.assert_array_equal(history.numpy(), np.array(model_history, dtype=np.float32))
+        np.testing.assert_array_equal(as_bytes(q), reference_quantize(x, model_scale, dtype))
+    assert np.isinf(history[3].item())  # still in the history, and ignored throughout
+
+
+# ------------------------------------------------------------ Float8Linear
+
+
+def dequantized(x: torch.Tensor, dtype, scale: float) -> torch.Tensor:
+    q = torch.from_numpy(reference_quantize(x.detach(), scale, dtype)).view(dtype)
+    return q.double() * float(torch.tensor(scale).reciprocal())
+
+
+def gemm_bound(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a| @ |b| * gamma_K for float32 accumulation of K products, plus the
+    rounding of the float32 output."""
+    k = a.shape[1]
+    u = 2.0**-24
+    return (a.abs() @ b.abs()) * (k * u / (1 - k * u)) + 2 * u * (a @ b).abs()
+
+
+def quantization_bound(x: torch.Tensor, w: torch.Tensor, sx, sw, dx, dw) -> torch.Tensor:
+    """Worst-case |fp8 GEMM - exact| from each operand's rounding: relative
+    2^-(m+1) (round to nearest with m mantissa bits), or half the smallest
+    subnormal, over the scale, near zero."""
+    ex = x.abs() * 2.0 ** -(MANTISSA_BITS[dx] + 1) + HALF_MIN_SUBNORMAL[dx] / sx
+    ew = w.abs() * 2.0 ** -(MANTISSA_BITS[dw] + 1) + HALF_MIN_SUBNORMAL[dw] / sw
+    return (x.abs() + ex) @ (w.abs() + ew).t() - x.abs() @ w.abs().t()
+
+
+def current_linear(n_in=48, n_out=32, seed=0, bias=True):
+    torch.manual_seed(seed)
+    return Float8Linear(n_in, n_out, bias=bias, recipe="current")
+
+
+def test_float8_linear_gemms_match_float64_of_the_quantized_operands():
+    layer = current_linear()
+    x = (torch.randn(2, 13, 48) * 3).requires_grad_()
+    y = layer(x)
+    assert y.dtype == torch.float32 and y.shape == (2, 13, 32)
+    sx, sw = layer.fp8_scale[0].item(), layer.fp8_scale[1].item()
+    assert sx == reference_scale(x.abs().max().item(), 1.0, E4M3)
+    assert sw == reference_scale(layer.weight.abs().max().item(), 1.0, E4M3)
+    xq = dequantized(x.reshape(-1, 48), E4M3, sx)
+    wq = dequantized(layer.weight, E4M3, sw)
+    expected = xq @ wq.t() + layer.bias.double()
+    err = (y.reshape(-1, 32).double() - expected).abs()
+    assert (err <= gemm_bound(xq, wq.t()) + 1e-6 * expected.abs()).all()
+
+    g = torch.randn(2, 13, 32) * 1e-3
+    y.backward(g)
+    sg = layer.fp8_scale[2].item()
+    assert sg == reference_scale(g.abs().max().item(), 1.0, E5M2)
+    gq = dequantized(g.reshape(-1, 32), E5M2, sg)
+    gx = gq @ wq
+    assert x.grad.dtype == torch.float32
+    assert ((x.grad.reshape(-1, 48).double() - gx).abs() <= gemm_bound(gq, wq)).all()
+    gw = gq.t() @ xq
+    assert layer.weight.grad.dtype == torch.float32
+    assert ((layer.weight.grad.double() - gw).abs() <= gemm_bound(gq.t(), xq)).all()
+    # The bias gradient is the unquantised sum of the output gradient.
+    torch.testing.assert_close(layer.bias.grad, g.reshape(-1, 32).sum(0), rtol=1e-6, atol=1e-9)
+
+
+def test_float8_linear_error_is_within_the_e4m3_e5m2_bound_and_above_bf16s():
+    layer = current_linear(256, 64)
+    x = torch.randn(64, 256).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+        y_bf16 = nn.functional.linear(x, layer.weight, layer.bias)
+    assert y.dtype == torch.bfloat16
+    exact = x.double() @ layer.weight.double().t() + layer.bias.double()
+    sx, sw = layer.fp8_scale[0].item(), layer.fp8_scale[1].item()
+    bound = quantization_bound(x.double(), layer.weight.double(), sx, sw, E4M3, E4M3)
+    bound += 2.0**-8 * exact.abs() + 1e-6  # the bf16 output's rounding
+    err = (y.double() - exact).abs()
+    assert (err <= bound).all()
+    err_bf16 = (y_bf16.double() - exact).abs()
+    # 3 mantissa bits against bf16's 7: float8 is measurably coarser.
+    assert err.mean() > 2 * err_bf16.mean()
+
+    g = torch.randn(64, 64)
+    y.backward(g.bfloat16())
+    sg = layer.fp8_scale[2].item()
+    exact_gx = g.double() @ layer.weight.double()
+    gx_bound = quantization_bound(g.double(), layer.weight.double().t(), sg, sw, E5M2, E4M3)
+    assert ((x.grad.double() - exact_gx).abs() <= gx_bound + 2.0**-24 * exact_gx.abs() + 1e-6).all()
+
+
+def test_the_weight_gradient_carries_an_overflow_to_the_scaler():
+    layer = current_linear()
+    x = torch.randn(8, 48, requires_grad=True)
+    y = layer(x)
+    g = torch.randn(8, 32)
+    g[3, 4] = float("inf")
+    before = layer.fp8_scale[2:].clone()
+    y.backward(g)
+    assert not torch.isfinite(layer.weight.grad).all()
+    assert torch.equal(layer.fp8_scale[2:], before)  # the scale was kept
+    assert np.isinf(layer.fp8_amax_history[2, 0].item())
+
+
+def test_delayed_recipe_seeds_then_uses_the_history():
+    torch.manual_seed(0)
+    layer = Float8Linear(32, 16, recipe=Float8Recipe("delayed", amax_history_len=3))
+    assert layer.fp8_amax_history.shape == (3, 3)
+    amaxes, scales = [], []
+    for step, m in enumerate([1.0, 4.0, 0.5, 2.0]):
+        x = torch.randn(5, 32) * m
+        layer(x).sum().backward()
+        amaxes.insert(0, x.abs().max().item())
+        scales.append(layer.fp8_scale[0].item())
+        np.testing.assert_array_equal(
+            layer.fp8_amax_history[0, : min(step + 1, 3)].numpy(),
+            np.array(amaxes[:3], dtype=np.float32),
+        )
+    # Step 0 seeds with its own amax; later steps use the history before them.
+    assert scales[0] == reference_scale(amaxes[-1], 1.0, E4M3)
+    assert scales[1] == reference_scale(amaxes[-1], scales[0], E4M3)
+    assert scales[2] == reference_scale(max(amaxes[-2:]), scales[1], E4M3)
+    assert scales[3] == reference_scale(max(amaxes[-3:]), scales[2], E4M3)
+
+
+def test_evaluation_leaves_the_scaling_state_alone():
+    layer = Float8Linear(32, 16)
+    layer(torch.randn(4, 32)).sum().backward()
+    state = copy.deepcopy(layer.state_dict())
+    layer.eval()
+    with torch.no_grad():
+        out = layer(torch.randn(4, 32) * 100)
+    assert torch.isfinite(out).all()
+    for k, v in layer.state_dict().items():
+        assert torch.equal(v, state[k]), k
+
+
+def test_float8_linear_state_dict_and_loading_an_nn_linear():
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 16)
+    layer = Float8Linear.from_linear(lin, recipe="delayed")
+    assert layer.weight is lin.weight and layer.bias is lin.bias
+    assert list(layer.state_dict()) == ["weight", "bias", "fp8_scale", "fp8_amax_history"]
+    layer(torch.randn(4, 32)).sum().backward()
+    # An nn.Linear checkpoint: weights load, the scaling state starts afresh.
+    fresh = Float8Linear(32, 16)
+    fresh.fp8_scale.fill_(7.0)
+    result = fresh.load_state_dict(nn.Linear(32, 16).state_dict())
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert torch.equal(fresh.fp8_scale, torch.ones(3)) and fresh._fp8_seeded == [False] * 3
+    # A Float8Linear checkpoint restores the scaling state and the seeding.
+    other = Float8Linear(32, 16)
+    other.load_state_dict(layer.state_dict())
+    assert torch.equal(other.fp8_amax_history, layer.fp8_amax_history)
+    assert other._fp8_seeded == [True, True, True]
+    with pytest.raises(RuntimeError, match="recipe the checkpoint was trained with"):
+        Float8Linear(32, 16, recipe="current").load_state_dict(layer.state_dict())
+
+
+def test_keep_float32_wins_over_float8():
+    layer = Float8Linear(32, 16)
+    fusetrain.amp.keep_float32(layer)
+    x = torch.randn(4, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, nn.functional.linear(x, layer.weight, layer.bias))
+    assert torch.equal(layer.fp8_scale, torch.ones(3))
+
+
+def test_recipe_validation():
+    with pytest.raises(ValueError, match='scaling must be "delayed" or "current"'):
+        Float8Recipe("dynamic")
+    with pytest.raises(ValueError, match="amax_history_len"):
+        Float8Recipe(amax_history_len=0)
+    with pytest.raises(ValueError, match="margin"):
+        Float8Recipe(margin=-1)
+    with pytest.raises(TypeError, match="recipe must be"):
+        Float8Linear(16, 16, recipe=3)
+    assert Float8Recipe("current") == Float8Recipe("current")
+    assert "delayed" in repr(Float8Recipe())
+
+
+def test_devices_without_float8_gemms_are_errors_naming_the_capability(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    _check_fp8_device.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"A100.*compute capability 8\.0.*8\.9"):
+            _check_fp8_device(torch.device("cuda", 0))
+        with pytest.raises(RuntimeError, match='no float8 GEMM for device type "meta"'):
+            _check_fp8_device(torch.device("meta"))
+    finally:
+        _check_fp8_device.cache_clear()
+
+
+# ----------------------------------------------------------- apply_policy
+
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.big = nn.Linear(64, 64)
+        self.odd = nn.Linear(64, 40)  # 40 is not a multiple of 16
+        self.small = nn.Linear(64, 16)  # below the threshold used here
+        self.head = nn.Sequential(nn.ReLU(), nn.Linear(64, 32))
+        self.island = nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.big(x)
+        return self.island(self.head(h)) + self.odd(h)[..., :32] + self.small(h).sum(-1, keepdim=True)
+
+
+def test_apply_policy_swaps_eligible_linears_keeping_parameters_and_keys():
+    model = Mixed()
+    params = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    apply_policy(model, "mixed_float8", float32_modules=["island"], fp8_min_features=32)
+    assert model.fusetrain_float8_modules == ["big", "head.1"]
+    assert isinstance(model.big, Float8Linear) and isinstance(model.head[1], Float8Linear)
+    assert type(model.odd) is nn.Linear and type(model.small) is nn.Linear
+    assert type(model.island) is nn.Linear
+    assert dict(model.named_parameters()) == params  # the same Parameter objects
+    new_keys = list(model.state_dict())
+    assert [k for k in new_keys if "fp8_" not in k] == keys
+    assert {k for k in new_keys if "fp8_" in k} == {
+        "big.fp8_scale", "big.fp8_amax_history", "head.1.fp8_scale", "head.1.fp8_amax_history"
+    }
+    y = model(torch.randn(3, 64))
+    assert y.dtype == torch.float32  # the float32 island's output
+    assert model.fusetrain_policy == Policy("mixed_float8")
+
+
+def test_apply_policy_default_threshold_and_errors():
+    model = Mixed()
+    apply_policy(model, "mixed_float8")
+    assert model.fusetrain_float8_modules == []  # every layer is below 1024 features
+    with pytest.raises(ValueError, match="apply to the mixed_float8 policy"):
+        apply_policy(Mixed(), "mixed_bfloat16", fp8_min_features=16)
+    with pytest.raises(ValueError, match="fp8_min_features must be a positive int"):
+        apply_policy(Mixed(), "mixed_float8", fp8_min_features=0)
+    p = Policy("mixed_float8")
+    assert p.compute_dtype == torch.bfloat16 and p.is_mixed and p.is_float8
+    assert not Policy("mixed_bfloat16").is_float8
+
+
+# ----------------------------------------------------------------- training
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab=64, d=64, seq=16, layers=2):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.blocks = nn.ModuleList()
+        for _ in range(layers):
+            self.blocks.append(nn.ModuleDict({
+                "ln1": nn.LayerNorm(d), "qkv": nn.Linear(d, 3 * d), "proj": nn.Linear(d, d),
+                "ln2": nn.LayerNorm(d), "fc": nn.Linear(d, 4 * d), "fc2": nn.Linear(4 * d, d),
+            }))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+        self.heads = 4
+
+    def forward(self, idx):
+        b, t = idx.shape
+        h = self.tok(idx) + self.pos[:t]
+        for blk in self.blocks:
+            q, k, v = blk["qkv"](blk["ln1"](h)).chunk(3, dim=-1)
+            q, k, v = (z.reshape(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+            a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            h = h + blk["proj"](a.transpose(1, 2).reshape(b, t, -1))
+            h = h + blk["fc2"](nn.functional.gelu(blk["fc"](blk["ln2"](h))))
+        return self.head(self.ln(h))
+
+
+class TinyCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        )
+        self.fc = nn.Linear(32 * 7 * 7, 128)
+        self.out = nn.Linear(128, 10)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.fc(self.features(x).flatten(1))))
+
+
+def gpt_batch(step, vocab=64, seq=16, batch=16):
+    # A learnable pattern: each token is the previous plus one.
+    g = torch.Generator().manual_seed(step)
+    start = torch.randint(0, vocab, (batch, 1), generator=g)
+    seqs = (start + torch.arange(seq + 1)) % vocab
+    return seqs[:, :-1], seqs[:, 1:]
+
+
+def cnn_batch(step, batch=32):
+    g = torch.Generator().manual_seed(step)
+    y = torch.randint(0, 10, (batch,), generator=g)
+    x = torch.randn(batch, 1, 28, 28, generator=g) * 0.3
+    x[torch.arange(batch), 0, y * 2, :] += 2.0  # the class is the bright row
+    return x, y
+
+
+def train(kind: str, policy: str, steps: int, recipe="delayed", state=None):
+    torch.manual_seed(0)
+    model = TinyGPT() if kind == "gpt" else TinyCNN()
+    kwargs = {"fp8_min_features": 16, "recipe": recipe} if policy == "mixed_float8" else {}
+    apply_policy(model, policy, **kwargs)
+    opt = fusetrain.optim.FusedAdamW(model.parameters(), lr=3e-3)
+    first = 0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        first = state["step"]
+    losses = []
+    for step in range(first, steps):
+        x, y = gpt_batch(step) if kind == "gpt" else cnn_batch(step)
+        logits = model(x)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    snapshot = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict()),
+                "step": steps}
+    return model, losses, snapshot
+
+
+@pytest.mark.parametrize("kind,steps", [("gpt", 15), ("cnn", 10)])
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_mixed_float8_trains_as_well_as_bf16(kind, steps, recipe):
+    model, fp8_losses, _ = train(kind, "mixed_float8", steps, recipe)
+    assert model.fusetrain_float8_modules  # the GEMMs did run in float8
+    _, bf16_losses, _ = train(kind, "mixed_bfloat16", steps)
+    tail = lambda losses: float(np.mean(losses[-3:]))
+    # Mid-way down the curve (loss about a quarter of its start), where a
+    # worse step shows: float8 learns (below 60% of the first loss) and stays
+    # within 10% of bf16's loss plus 0.02 nats. Measured (2-core EPYC): GPT
+    # 0.5% / 0.5%, CNN 7.3% / 3.9% (delayed / current; the CNN's float8 runs
+    # were the lower ones), the CNN's curve being steepest there.
+    assert tail(fp8_losses) < 0.6 * fp8_losses[0]
+    assert abs(tail(fp8_losses) - tail(bf16_losses)) <= 0.10 * tail(bf16_losses) + 0.02
+
+
+def test_checkpoint_resume_is_exact():
+    _, _, at3 = train("gpt", "mixed_float8", 3)
+    full, full_losses, _ = train("gpt", "mixed_float8", 6)
+    resumed, resumed_losses, _ = train("gpt", "mixed_float8", 6, state=at3)
+    assert resumed_losses == full_losses[3:]
+    for (name, a), b in zip(full.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+# --------------------------------------------------------------------- CUDA
+
+
+def fp8_cuda_available():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,offset", [(278011, 0), (4096, 3), (1, 0), (0, 0)])
+def test_cuda_quantize_is_bit_identical_to_the_cpu(dtype, in_dtype, n, offset):
+    base = wide_range(n + offset).to(in_dtype)
+    base[offset + n // 2 :: 1013] = float("nan") if n > 1 else base[offset + n // 2 :: 1013]
+    x = base[offset:]
+    for op, state in [(current_op, torch.zeros(1)), (delayed_op, torch.tensor([0.5, 3.0, float("inf")]))]:
+        s_cpu, st_cpu = torch.full((1,), 2.0), state.clone()
+        s_gpu, st_gpu = s_cpu.cuda(), state.cuda()
+        q_cpu = op(x, dtype, s_cpu, st_cpu, 1)
+        q_gpu = op(base.cuda()[offset:], dtype, s_gpu, st_gpu, 1)
+        assert torch.equal(s_gpu.cpu().view(torch.int32), s_cpu.view(torch.int32))
+        np.testing.assert_array_equal(st_gpu.cpu().numpy(), st_cpu.numpy())
+        np.testing.assert_array_equal(as_bytes(q_gpu.cpu()), as_bytes(q_cpu))
+
+
+@pytest.mark.cuda
+def test_cuda_quantize_captures_in_a_graph():
+    x = torch.randn(1 << 20, device="cuda", dtype=torch.bfloat16)
+    scale, history = torch.ones(1, device="cuda"), torch.zeros(4, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        delayed_op(x, E4M3, scale, history)  # warm-up
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q = delayed_op(x, E4M3, scale, history)
+    for m in [2.0, 0.5]:
+        x.mul_(m)
+        graph.replay()
+    torch.cuda.synchronize()
+    s_ref, h_ref = torch.ones(1), torch.zeros(4)
+    xc = x.cpu() / 0.5 / 2.0
+    for xi in [xc, xc * 2.0, xc]:
+        ref = delayed_op(xi, E4M3, s_ref, h_ref)
+    np.testing.assert_array_equal(history.cpu().numpy(), h_ref.numpy())
+    np.testing.assert_array_equal(as_bytes(q.cpu()), as_bytes(ref))
+
+
+@pytest.mark.cuda
+def test_cuda_float8_linear_matches_the_cpu():
+    if not fp8_cuda_available():
+        with pytest.raises(RuntimeError, match="compute capability"):
+            Float8Linear(64, 64).cuda()(torch.randn(4, 64, device="cuda"))
+        return
+    torch.manual_seed(0)
+    cpu = Float8Linear(256, 128, recipe="current")
+    gpu = copy.deepcopy(cpu).cuda()
+    x = torch.randn(100, 256)  # 100 rows: the weight GEMM pads to 112
+    xg = x.cuda().requires_grad_()
+    x.requires_grad_()
+    g = torch.randn(100, 128)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = cpu(x)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        yg = gpu(xg)
+    y.backward(g.bfloat16())
+    yg.backward(g.bfloat16().cuda())
+    assert torch.equal(gpu.fp8_scale.cpu(), cpu.fp8_scale)
+    # Same float8 operands; the GEMMs accumulate in another order (bf16 out).
+    torch.testing.assert_close(yg.float().cpu(), y.float(), rtol=2**-7, atol=1e-3)
+    torch.testing.assert_close(xg.grad.cpu(), x.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gpu.weight.grad.cpu(), cpu.weight.grad, rtol=1e-4, atol=1e-5)
