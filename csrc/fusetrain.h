@@ -2,6 +2,7 @@
 #pragma once
 
 #include <fusetrain/amp/float32_module.h>
+#include <fusetrain/amp/float8_linear.h>
 #include <fusetrain/amp/grad_scaler.h>
 #include <fusetrain/amp/policy.h>
 #include <fusetrain/dist/comm_hooks.h>

@@ -14,7 +14,9 @@
 # them: two calls on a warm machine (the build in build-gpu/ stays between
 # calls, so the second one only relinks) split one long run into two that
 # each fit a device call with room to spare.
-# $OUT gets 7 logs and the day's results JSON (the device tool returns 8 files).
+# $OUT gets 7 logs and this run's results JSON (the device tool returns 8 files):
+# gpu_build, gpu_cpp_tests, gpu_py_tests, gpu_bench (headline), gpu_bench_fp8
+# (float8 vs bf16, bench/bench_fp8.py, ~30-60 s), gpu_bench_rest, gpu_trainer.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHAT=${1:-all}
@@ -32,6 +34,9 @@ mkdir -p "$RESULTS" "$OUTDIR"
 BUILD=build-gpu
 status=0
 t0=$(date +%s)
+# Results files older than this one came with the checkout (CPU runs of the
+# same date among them): only those this run writes go to $OUT.
+run_marker=$(mktemp)
 # The whole run must end inside one device call (600 s at most): each stage
 # gets at most its cap and never more than what is left of BUDGET.
 BUDGET=${GPU_CHECK_BUDGET:-540}
@@ -95,11 +100,17 @@ if [ "$WHAT" != test ]; then
 stamp "benchmarks (GPU): graph, e2e, trainer"
 timeout "$(cap_for 200 60)" "$PY" bench/run.py --device cuda --results-dir "$RESULTS" \
   --only graph --only e2e --only trainer > "$OUTDIR/gpu_bench.log" 2>&1 || fail "benchmarks (headline)"
+# Float8 against bf16 (a Linear, the crossover sweep behind
+# DEFAULT_FP8_MIN_FEATURES, a 1B-scale GPT block, a small GPT trained 50
+# steps): about 30-60 s on an H200.
+stamp "benchmarks (GPU): fp8"
+timeout "$(cap_for 120 60)" "$PY" bench/run.py --device cuda --results-dir "$RESULTS" \
+  --only fp8 > "$OUTDIR/gpu_bench_fp8.log" 2>&1 || fail "benchmarks (fp8)"
 stamp "benchmarks (GPU): amp, optim, cross_entropy, ddp"
 timeout "$(cap_for 150 30)" "$PY" bench/run.py --device cuda --results-dir "$RESULTS" --quick \
   --only amp --only optim --only cross_entropy --only ddp > "$OUTDIR/gpu_bench_rest.log" 2>&1 ||
   fail "benchmarks (rest)"
-cp -f "$RESULTS"/*"$(date +%Y-%m-%d)"*.json "$OUTDIR"/ 2>/dev/null || true
+find "$RESULTS" -maxdepth 1 -name '*.json' -newer "$run_marker" -exec cp -f {} "$OUTDIR"/ \; 2>/dev/null || true
 
 stamp "trainer on CUDA: Fashion-MNIST CNN, mixed_bfloat16, 16 steps per CUDA graph"
 if [ -f "${FUSETRAIN_FASHION_MNIST:-$FASHION}/train-images-idx3-ubyte.gz" ]; then
@@ -114,6 +125,9 @@ fi
 
 stamp "summary"
 tail -45 "$OUTDIR/gpu_bench.log"
+# fp8: the crossover and final-loss lines, and the headline rows (notes cut).
+grep -E "^fp8 (crossover|gpt:)" "$OUTDIR/gpu_bench_fp8.log"
+grep -E "^\| fp8 (linear|GEMM|crossover|GPT block|gpt train,)" "$OUTDIR/gpu_bench_fp8.log" | awk '!seen[$0]++' | cut -c1-220
 tail -25 "$OUTDIR/gpu_bench_rest.log"
 fi
 stamp "done (status $status)"

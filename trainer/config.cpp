@@ -275,7 +275,16 @@ const std::vector<KeySpec>& config_schema() {
           "compute precision (auto: mixed_bfloat16 on GPUs with bf16, mixed_float16 on older "
           "ones; on a CPU mixed_bfloat16 where it computes bf16 natively (AMX-BF16, "
           "AVX512-BF16), else float32; resolved at start and written to the run's config)",
-          {"auto", "float32", "mixed_float16", "mixed_bfloat16"}),
+          {"auto", "float32", "mixed_float16", "mixed_bfloat16", "mixed_float8"}),
+      key("precision.fp8_min_features", K::kInt, "1024",
+          "mixed_float8: linear layers whose in and out features are both at least this (and "
+          "multiples of 16) run their GEMMs in float8; the others in bfloat16", {}, 1, 1e15),
+      key("precision.fp8_scaling", K::kString, "delayed",
+          "mixed_float8: per-tensor scales from the amax history (delayed) or from each "
+          "tensor's own amax (current)",
+          {"delayed", "current"}),
+      key("precision.fp8_amax_history", K::kInt, "16",
+          "mixed_float8, delayed scaling: amaxes kept per tensor", {}, 1, 1e6),
       key("precision.master_weights", K::kBool, "false",
           "keep the model in 16 bits with float32 master weights in the optimizer"),
       key("precision.float32_head", K::kBool, "true",

@@ -169,7 +169,7 @@ int run_train(int argc, char** argv) {
       ("epochs", "train.epochs", cxxopts::value<std::string>())
       ("steps-per-execution", "train.steps_per_execution: steps between host synchronisations",
        cxxopts::value<std::string>())
-      ("precision", "precision.policy: auto, float32, mixed_float16 or mixed_bfloat16",
+      ("precision", "precision.policy: auto, float32, mixed_float16, mixed_bfloat16 or mixed_float8",
        cxxopts::value<std::string>())
       ("threads", "runtime.threads: intra-op threads per process (0: cores / processes)",
        cxxopts::value<std::string>())

@@ -3,6 +3,8 @@
 
 #include "torchscript_model.h"
 
+#include <fusetrain/amp/float8_linear.h>
+
 #include <torch/nn.h>
 
 #include <cmath>
@@ -26,6 +28,19 @@ at::Tensor ModelImpl::apply_head(const at::Tensor& x) {
 
 namespace {
 
+// A linear layer: amp::Float8Linear under precision.policy=mixed_float8 when
+// its sizes qualify (precision.fp8_min_features), else torch::nn::Linear.
+// Both register "weight" and "bias"; the float8 one adds its scaling buffers.
+nn::AnyModule linear_layer(const Config& c, int64_t in, int64_t out) {
+  if (c.get_string("precision.policy") == "mixed_float8" &&
+      amp::float8_eligible(in, out, c.get_int("precision.fp8_min_features"))) {
+    amp::Float8Recipe recipe = amp::Float8Recipe::from_name(c.get_string("precision.fp8_scaling"));
+    recipe.amax_history_len = c.get_int("precision.fp8_amax_history");
+    return nn::AnyModule(amp::Float8Linear(in, out, /*bias=*/true, recipe));
+  }
+  return nn::AnyModule(nn::Linear(in, out));
+}
+
 int64_t product(const std::vector<int64_t>& v) {
   int64_t p = 1;
   for (int64_t x : v) p *= x;
@@ -40,7 +55,7 @@ class MlpImpl : public ModelImpl {
     int64_t n = product(d.input_shape);
     layers_->push_back(nn::Flatten());
     for (int64_t h : c.get_int_list("model.hidden")) {
-      layers_->push_back(nn::Linear(n, h));
+      layers_->push_back(linear_layer(c, n, h));
       layers_->push_back(nn::ReLU());
       n = h;
     }
@@ -74,7 +89,7 @@ class CnnImpl : public ModelImpl {
     int64_t n = in * h * w;
     classifier_->push_back(nn::Flatten());
     for (int64_t hidden : c.get_int_list("model.hidden")) {
-      classifier_->push_back(nn::Linear(n, hidden));
+      classifier_->push_back(linear_layer(c, n, hidden));
       classifier_->push_back(nn::ReLU());
       n = hidden;
     }
@@ -204,32 +219,41 @@ class ResNetImpl : public ModelImpl {
 
 class GptBlockImpl : public nn::Module {
  public:
-  GptBlockImpl(int64_t d, int64_t heads, double dropout)
-      : ln1(register_module("ln1", nn::LayerNorm(nn::LayerNormOptions({d})))),
-        qkv(register_module("qkv", nn::Linear(d, 3 * d))),
-        proj(register_module("proj", nn::Linear(d, d))),
-        ln2(register_module("ln2", nn::LayerNorm(nn::LayerNormOptions({d})))),
-        fc(register_module("fc", nn::Linear(d, 4 * d))),
-        fc_proj(register_module("fc_proj", nn::Linear(4 * d, d))),
+  GptBlockImpl(const Config& c, int64_t d, int64_t heads, double dropout)
+      : ln1(nn::LayerNormOptions({d})),
+        qkv(linear_layer(c, d, 3 * d)),
+        proj(linear_layer(c, d, d)),
+        ln2(nn::LayerNormOptions({d})),
+        fc(linear_layer(c, d, 4 * d)),
+        fc_proj(linear_layer(c, 4 * d, d)),
         heads_(heads),
-        dropout_(dropout) {}
+        dropout_(dropout) {
+    // Registered in this order: it is the order of the parameters (and of
+    // the initialisation's random draws).
+    register_module("ln1", ln1);
+    register_module("qkv", qkv.ptr());
+    register_module("proj", proj.ptr());
+    register_module("ln2", ln2);
+    register_module("fc", fc.ptr());
+    register_module("fc_proj", fc_proj.ptr());
+  }
 
   // No batch or sequence sizes taken from x (only the width, a constant of
   // the model): a trace of it runs on any batch and length.
   at::Tensor forward(const at::Tensor& x) {
     const int64_t d = x.size(2);
-    const at::Tensor qkv_out = qkv(ln1(x)).unflatten(-1, {3, heads_, d / heads_}).permute({2, 0, 3, 1, 4});
+    const at::Tensor qkv_out = qkv.forward(ln1(x)).unflatten(-1, {3, heads_, d / heads_}).permute({2, 0, 3, 1, 4});
     const at::Tensor y = at::scaled_dot_product_attention(
         qkv_out[0], qkv_out[1], qkv_out[2], /*attn_mask=*/{}, is_training() ? dropout_ : 0.0,
         /*is_causal=*/true);
-    at::Tensor h = x + dropout(proj(y.transpose(1, 2).flatten(2)));
-    return h + dropout(fc_proj(at::gelu(fc(ln2(h)))));
+    at::Tensor h = x + dropout(proj.forward(y.transpose(1, 2).flatten(2)));
+    return h + dropout(fc_proj.forward(at::gelu(fc.forward(ln2(h)))));
   }
 
   nn::LayerNorm ln1;
-  nn::Linear qkv, proj;
+  nn::AnyModule qkv, proj;
   nn::LayerNorm ln2;
-  nn::Linear fc, fc_proj;
+  nn::AnyModule fc, fc_proj;
 
  private:
   at::Tensor dropout(const at::Tensor& x) {
@@ -252,7 +276,7 @@ class GptImpl : public ModelImpl {
     tok_emb_ = register_module("tok_emb", nn::Embedding(d.num_classes, dm));
     pos_emb_ = register_parameter("pos_emb", at::randn({seq_len_, dm}) * 0.02);
     for (int64_t i = 0; i < c.get_int("model.n_layer"); ++i) {
-      blocks_->push_back(GptBlock(dm, heads, c.get_float("model.dropout")));
+      blocks_->push_back(GptBlock(c, dm, heads, c.get_float("model.dropout")));
     }
     register_module("blocks", blocks_);
     ln_f_ = register_module("ln_f", nn::LayerNorm(nn::LayerNormOptions({dm})));

@@ -1,5 +1,7 @@
 #include "state.h"
 
+#include <fusetrain/amp/float8_linear.h>
+
 #include <sstream>
 
 namespace fusetrain::trainer {
@@ -20,13 +22,27 @@ void put_model(TensorDict& d, const Model& model) {
 
 void load_model(const TensorDict& ckpt, const std::string& path, const Model& model) {
   at::NoGradGuard no_grad;
+  // A float8 layer's scaling state ("...fp8_scale", "...fp8_amax_history") is
+  // optional both ways: a mixed_float8 checkpoint evaluates or resumes under
+  // another policy, and a float8 run can start from a bf16 checkpoint (its
+  // scaling starts afresh).
+  auto is_fp8_state = [](const std::string& name) {
+    const size_t dot = name.rfind('.');
+    return name.compare(dot == std::string::npos ? 0 : dot + 1, 4, "fp8_") == 0;
+  };
   size_t in_file = 0;
-  for (const auto& item : ckpt) in_file += item.first.rfind("model.", 0) == 0;
+  for (const auto& item : ckpt) {
+    in_file += item.first.rfind("model.", 0) == 0 && !is_fp8_state(item.first);
+  }
   size_t expected = 0;
   auto load = [&](const std::string& name, at::Tensor target) {
-    ++expected;
     const std::string k = "model." + name;
-    if (!has_entry(ckpt, k)) throw misfit(path, "it has no " + name);
+    if (is_fp8_state(name)) {
+      if (!has_entry(ckpt, k)) return;
+    } else {
+      ++expected;
+      if (!has_entry(ckpt, k)) throw misfit(path, "it has no " + name);
+    }
     const at::Tensor& t = checkpoint_entry(ckpt, k, path);
     if (t.sizes() != target.sizes()) {
       std::ostringstream msg;
@@ -40,6 +56,10 @@ void load_model(const TensorDict& ckpt, const std::string& path, const Model& mo
   if (in_file != expected) {
     throw misfit(path, "it holds " + std::to_string(in_file) + " model tensors but the model has " +
                            std::to_string(expected));
+  }
+  // Float8 layers reread which of their amax histories hold data.
+  for (const auto& m : model->modules()) {
+    if (auto* f8 = dynamic_cast<amp::Float8LinearImpl*>(m.get())) f8->state_loaded();
   }
 }
 

@@ -32,6 +32,7 @@
 #include "state.h"
 
 #include <fusetrain/amp/grad_scaler.h>
+#include <fusetrain/amp/float8_linear.h>
 #include <fusetrain/amp/policy.h>
 #include <fusetrain/graph/fused_steps.h>
 #include <fusetrain/ops/optim.h>
@@ -782,6 +783,18 @@ void check_before_start(const Config& config, int world_size, int local_world_si
                        "needs a mixed policy (precision.policy=mixed_float16 or mixed_bfloat16)");
   }
   const std::string& model = config.get_string("model.name");
+  if (policy.is_float8()) {
+    if (model == "torchscript") {
+      throw config.error("precision.policy",
+                         "mixed_float8 swaps the built-in models' linear layers; for a TorchScript "
+                         "model use mixed_bfloat16 (or apply fusetrain.amp.apply_policy in Python)");
+    }
+    try {
+      amp::check_float8_device(cuda ? c10::Device(c10::DeviceType::CUDA, 0) : c10::Device(c10::kCPU));
+    } catch (const c10::Error& e) {
+      throw config.error("precision.policy", e.what_without_backtrace());
+    }
+  }
   const std::string& data = config.get_string("data.name");
   const bool tokens = data == "text" || data == "tokens" || data == "synthetic_tokens" ||
                       (data == "synthetic" && model == "gpt");

@@ -29,7 +29,8 @@ std::string join(const std::vector<std::string>& items) {
 }  // namespace
 
 const std::vector<std::string>& Policy::names() {
-  static const std::vector<std::string> kNames = {"float32", "mixed_float16", "mixed_bfloat16"};
+  static const std::vector<std::string> kNames = {"float32", "mixed_float16", "mixed_bfloat16",
+                                                     "mixed_float8"};
   return kNames;
 }
 
@@ -40,7 +41,7 @@ Policy::Policy(const std::string& name) : name_(name) {
     compute_dtype_ = at::kFloat;
   } else if (name == "mixed_float16") {
     compute_dtype_ = at::kHalf;
-  } else if (name == "mixed_bfloat16") {
+  } else if (name == "mixed_bfloat16" || name == "mixed_float8") {
     compute_dtype_ = at::kBFloat16;
   } else {
     TORCH_CHECK_VALUE(false, "unknown precision policy \"", name, "\"; valid names are ",

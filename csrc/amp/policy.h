@@ -13,6 +13,8 @@ namespace fusetrain::amp {
 ///   "float32"          compute float32, variables float32
 ///   "mixed_float16"    compute float16, variables float32 (use a GradScaler)
 ///   "mixed_bfloat16"   compute bfloat16, variables float32
+///   "mixed_float8"     mixed_bfloat16, plus float8 GEMMs in the large linear
+///                      layers of models built for it (amp::Float8Linear)
 ///   "auto"             best_policy() of the default device (CUDA when one
 ///                      is visible, else the CPU), resolved at construction
 class Policy {
@@ -20,7 +22,7 @@ class Policy {
   /// Throws c10::Error (ValueError in Python) listing the valid names.
   explicit Policy(const std::string& name = "float32");
 
-  /// One of the three concrete names ("auto" has been resolved).
+  /// One of the concrete names ("auto" has been resolved).
   const std::string& name() const { return name_; }
   /// Why "auto" chose this policy; empty for a policy named directly.
   const std::string& reason() const { return reason_; }
@@ -28,6 +30,8 @@ class Policy {
   at::ScalarType variable_dtype() const { return at::kFloat; }
   /// True unless the policy is "float32".
   bool is_mixed() const { return compute_dtype_ != at::kFloat; }
+  /// True for "mixed_float8".
+  bool is_float8() const { return name_ == "mixed_float8"; }
 
   /// The concrete names; "auto" is accepted besides them.
   static const std::vector<std::string>& names();

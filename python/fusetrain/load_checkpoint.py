@@ -290,7 +290,10 @@ def load_model(path: str) -> nn.Module:
     shape = ckpt["data.input_shape"].tolist() if "data.input_shape" in ckpt else None
     classes = int(ckpt["data.num_classes"]) if "data.num_classes" in ckpt else None
     model = build_model(config, shape, classes)
-    state = {k[len("model."):]: v for k, v in ckpt.items() if k.startswith("model.")}
+    # A mixed_float8 run's float8 scaling state (fp8_scale, fp8_amax_history)
+    # has no use in the float32 model.
+    state = {k[len("model."):]: v for k, v in ckpt.items()
+             if k.startswith("model.") and not k.rpartition(".")[2].startswith("fp8_")}
     own = model.state_dict()
     missing = sorted(set(own) - set(state))
     extra = sorted(set(state) - set(own))

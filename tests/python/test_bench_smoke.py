@@ -34,3 +34,33 @@ def test_ddp_hooks_benchmark_runs_on_the_cpu(tmp_path):
         assert row in p.stdout, row
     rows = json.loads(next(tmp_path.glob("*.json")).read_text())["results"]
     assert not [r["benchmark"] for r in rows if r.get("error")]
+
+
+def test_fp8_benchmark_runs_on_the_cpu(tmp_path):
+    """bench_fp8 at its CPU smoke sizes (torch's CPU _scaled_mm): every part's
+    rows, no error row, the crossover line printed, one results file."""
+    import json
+
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_fp8.py"), "--results-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    for row in ("fp8 linear fwd+bwd 64x64x64, delayed vs bf16 (CPU smoke)", "fp8 GEMM 64x64x64",
+                "fp8 sweep M=64 K=N=64", "fp8 crossover M=64", "fp8 GPT block fwd+bwd d64, mixed_float8 current",
+                "fp8 gpt train, mixed_float8 delayed vs mixed_bfloat16 (CPU smoke)"):
+        assert row in p.stdout, row
+    assert "fp8 crossover at M=64:" in p.stdout
+    assert "ERROR" not in p.stdout
+    rows = json.loads(next(tmp_path.glob("*.json")).read_text())["results"]
+    assert not [r["benchmark"] for r in rows if r.get("error")]
+    gpt = {r["policy"]: r for r in rows if r["benchmark"].startswith("fp8 gpt train mixed")}
+    assert set(gpt) == {"mixed_bfloat16", "mixed_float8 delayed", "mixed_float8 current"}
+    assert all(r["steps"] == len(r["losses"]) for r in gpt.values())
+
+
+def test_fp8_benchmark_parts_can_be_skipped():
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_fp8.py"), "--skip", "sweep", "--skip", "block",
+                        "--skip", "gpt", "--no-write"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "fp8 linear fwd+bwd" in p.stdout
+    for absent in ("fp8 sweep", "fp8 GPT block", "fp8 gpt train"):
+        assert absent not in p.stdout, absent

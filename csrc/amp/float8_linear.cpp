@@ -1,0 +1,212 @@
+// Float8LinearImpl: the float8 GEMMs of the mixed_float8 policy as a custom
+// autograd function over fusetrain's quantisation ops and at::_scaled_mm.
+// The Python twin is python/fusetrain/float8.py; both keep the same state.
+#include <fusetrain/amp/float8_linear.h>
+#include <fusetrain/ops/fp8.h>
+
+#include <ATen/autocast_mode.h>
+#include <torch/autograd.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
+
+#ifdef FUSETRAIN_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
+namespace fusetrain::amp {
+
+namespace {
+
+constexpr int kInput = 0;
+constexpr int kWeight = 1;
+constexpr int kGrad = 2;
+
+struct Seeded : torch::CustomClassHolder {
+  std::array<bool, 3> value{false, false, false};
+};
+
+Seeded& seeded_of(const c10::intrusive_ptr<torch::CustomClassHolder>& p) {
+  return *static_cast<Seeded*>(p.get());
+}
+
+// Casts x with the recipe's scale, updating scale[i] and history[i] in place.
+at::Tensor quantize(const at::Tensor& x, at::ScalarType dtype, const at::Tensor& scale,
+                    const at::Tensor& history, int i, bool delayed, bool seeded, int64_t margin) {
+  at::Tensor s = scale.narrow(0, i, 1);
+  at::Tensor h = history.select(0, i);
+  if (delayed && seeded) return ops::fp8_quantize_delayed(x, dtype, s, h, margin);
+  at::Tensor first = h.narrow(0, 0, 1);  // current scaling, or seeding the history
+  return ops::fp8_quantize_current(x, dtype, s, first, margin);
+}
+
+at::Tensor column_major(const at::Tensor& q) { return q.t().contiguous().t(); }
+
+// Zero rows appended up to a multiple of 16 rows: CUDA's _scaled_mm wants the
+// reduced dimension a multiple of 16, and zero rows add nothing.
+at::Tensor pad_rows(const at::Tensor& q) {
+  const int64_t extra = (16 - q.size(0) % 16) % 16;
+  if (extra == 0 || !q.is_cuda()) return q;
+  at::Tensor padded = at::zeros({q.size(0) + extra, q.size(1)}, q.options().dtype(at::kByte));
+  padded.narrow(0, 0, q.size(0)).copy_(q.view(at::kByte));
+  return padded.view(q.scalar_type());
+}
+
+class Float8LinearFunction : public torch::autograd::Function<Float8LinearFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
+                            const at::Tensor& weight, const at::Tensor& bias,
+                            const at::Tensor& scale, const at::Tensor& history,
+                            const Float8Recipe& recipe, at::ScalarType out_dtype,
+                            const c10::intrusive_ptr<torch::CustomClassHolder>& seeded_ptr) {
+    Seeded& seeded = seeded_of(seeded_ptr);
+    const bool delayed = recipe.scaling == Float8Recipe::Scaling::kDelayed;
+    const int64_t in_features = weight.size(1);
+    const at::Tensor x = input.reshape({-1, in_features});
+    const at::Tensor qx = quantize(x, at::kFloat8_e4m3fn, scale, history, kInput, delayed,
+                                   seeded.value[kInput], recipe.margin);
+    const at::Tensor qw = quantize(weight, at::kFloat8_e4m3fn, scale, history, kWeight, delayed,
+                                   seeded.value[kWeight], recipe.margin);
+    seeded.value[kInput] = seeded.value[kWeight] = true;
+    const at::Tensor inv_x = scale.select(0, kInput).reciprocal();
+    const at::Tensor inv_w = scale.select(0, kWeight).reciprocal();
+    const bool fused_bias = bias.defined() && out_dtype != at::kFloat;
+    at::Tensor out = at::_scaled_mm(qx, qw.t(), inv_x, inv_w,
+                                    fused_bias ? std::optional<at::Tensor>(bias.to(out_dtype))
+                                               : std::nullopt,
+                                    std::nullopt, out_dtype, /*use_fast_accum=*/true);
+    if (bias.defined() && !fused_bias) out = out + bias.to(out_dtype);
+    ctx->save_for_backward({qx, qw, inv_x, inv_w, scale, history});
+    ctx->saved_data["delayed"] = delayed;
+    ctx->saved_data["margin"] = recipe.margin;
+    ctx->saved_data["seeded"] = c10::IValue::make_capsule(seeded_ptr);
+    ctx->saved_data["input_sizes"] = input.sizes().vec();
+    ctx->saved_data["input_dtype"] = input.scalar_type();
+    ctx->saved_data["has_bias"] = bias.defined();
+    std::vector<int64_t> out_sizes = input.sizes().vec();
+    out_sizes.back() = weight.size(0);
+    return out.reshape(out_sizes);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &qx = saved[0], &qw = saved[1], &inv_x = saved[2], &inv_w = saved[3];
+    const at::Tensor &scale = saved[4], &history = saved[5];
+    const auto seeded_ptr = ctx->saved_data["seeded"].toCapsule();
+    Seeded& seeded = seeded_of(seeded_ptr);
+    const at::Tensor g = grads[0].reshape({-1, qw.size(0)});
+    const at::Tensor qg =
+        quantize(g, at::kFloat8_e5m2, scale, history, kGrad, ctx->saved_data["delayed"].toBool(),
+                 seeded.value[kGrad], ctx->saved_data["margin"].toInt());
+    seeded.value[kGrad] = true;
+    const at::Tensor inv_g = scale.select(0, kGrad).reciprocal();
+    at::Tensor grad_input, grad_weight, grad_bias;
+    if (ctx->needs_input_grad(0)) {
+      grad_input = at::_scaled_mm(qg, column_major(qw), inv_g, inv_w, std::nullopt, std::nullopt,
+                                  ctx->saved_data["input_dtype"].toScalarType())
+                       .reshape(ctx->saved_data["input_sizes"].toIntVector());
+    }
+    if (ctx->needs_input_grad(1)) {
+      grad_weight = at::_scaled_mm(pad_rows(qg).t().contiguous(), column_major(pad_rows(qx)),
+                                   inv_g, inv_x, std::nullopt, std::nullopt, at::kFloat);
+    }
+    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) {
+      grad_bias = g.sum(0, /*keepdim=*/false, at::kFloat);
+    }
+    return {grad_input, grad_weight, grad_bias, {}, {}, {}, {}, {}};
+  }
+};
+
+}  // namespace
+
+Float8Recipe Float8Recipe::from_name(const std::string& scaling) {
+  Float8Recipe r;
+  if (scaling == "delayed") {
+    r.scaling = Scaling::kDelayed;
+  } else if (scaling == "current") {
+    r.scaling = Scaling::kCurrent;
+  } else {
+    TORCH_CHECK(false, "float8 scaling must be \"delayed\" or \"current\", got \"", scaling, "\"");
+  }
+  return r;
+}
+
+bool float8_eligible(int64_t in_features, int64_t out_features, int64_t min_features) {
+  return in_features >= min_features && out_features >= min_features && in_features % 16 == 0 &&
+         out_features % 16 == 0;
+}
+
+void check_float8_device(const c10::Device& device) {
+  if (device.is_cpu()) return;
+#ifdef FUSETRAIN_WITH_CUDA
+  if (device.is_cuda()) {
+    const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device.index() < 0 ? at::cuda::current_device() : device.index());
+    TORCH_CHECK(prop->major > 8 || (prop->major == 8 && prop->minor >= 9), "mixed_float8: ",
+                prop->name, " (", device, ") has compute capability ", prop->major, ".",
+                prop->minor, "; float8 GEMMs need 8.9 (Ada) or 9.0 (Hopper) or newer. Use the "
+                "mixed_bfloat16 policy on this GPU");
+    return;
+  }
+#endif
+  TORCH_CHECK(false, "mixed_float8: no float8 GEMM for device type \"", device.type(),
+              "\" (float8 runs on CUDA GPUs of compute capability >= 8.9 and on the CPU); use "
+              "mixed_bfloat16");
+}
+
+Float8LinearImpl::Float8LinearImpl(int64_t in_features, int64_t out_features, bool bias,
+                                   Float8Recipe recipe)
+    : in_features_(in_features),
+      out_features_(out_features),
+      with_bias_(bias),
+      recipe_(recipe),
+      seeded_(c10::make_intrusive<Seeded>()) {
+  TORCH_CHECK(recipe.amax_history_len >= 1, "Float8Recipe: amax_history_len must be >= 1, got ",
+              recipe.amax_history_len);
+  TORCH_CHECK(recipe.margin >= 0 && recipe.margin < 128,
+              "Float8Recipe: margin must be in [0, 128), got ", recipe.margin);
+  reset();
+}
+
+void Float8LinearImpl::reset() {
+  // torch::nn::Linear's parameters and initialisation.
+  weight = register_parameter("weight", torch::empty({out_features_, in_features_}));
+  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5.0));
+  if (with_bias_) {
+    bias = register_parameter("bias", torch::empty({out_features_}));
+    const double bound = in_features_ > 0 ? 1.0 / std::sqrt(static_cast<double>(in_features_)) : 0;
+    torch::nn::init::uniform_(bias, -bound, bound);
+  } else {
+    bias = register_parameter("bias", {}, /*requires_grad=*/false);
+  }
+  fp8_scale = register_buffer("fp8_scale", torch::ones({3}));
+  fp8_amax_history = register_buffer("fp8_amax_history", torch::zeros({3, recipe_.history_len()}));
+  seeded_ = c10::make_intrusive<Seeded>();
+  seeded_known_ = true;
+}
+
+at::Tensor Float8LinearImpl::forward(const at::Tensor& input) {
+  check_float8_device(input.device());
+  const c10::DeviceType type = input.device().type();
+  const at::ScalarType out_dtype =
+      at::autocast::is_autocast_enabled(type) ? at::autocast::get_autocast_dtype(type)
+                                              : input.scalar_type();
+  if (!is_training()) {
+    // Each tensor scaled by itself; the training state is left alone.
+    static const Float8Recipe kCurrent = Float8Recipe::from_name("current");
+    auto fresh = c10::make_intrusive<Seeded>();
+    return Float8LinearFunction::apply(
+        input, weight, bias, torch::ones({3}, fp8_scale.options()),
+        torch::zeros({3, 1}, fp8_scale.options()), kCurrent, out_dtype,
+        c10::intrusive_ptr<torch::CustomClassHolder>(fresh));
+  }
+  if (!seeded_known_) {
+    const at::Tensor seen = (fp8_amax_history.abs().amax(1) > 0).cpu();
+    for (int i = 0; i < 3; ++i) seeded_of(seeded_).value[i] = seen[i].item<bool>();
+    seeded_known_ = true;
+  }
+  return Float8LinearFunction::apply(input, weight, bias, fp8_scale, fp8_amax_history, recipe_,
+                                     out_dtype, seeded_);
+}
+
+}  // namespace fusetrain::amp

@@ -1,0 +1,83 @@
+// Float8 linear layers for C++ models: the mixed_float8 policy's GEMMs
+// (Python: fusetrain.amp.Float8Linear, with the same numerics and state).
+#pragma once
+
+#include <torch/nn/cloneable.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include <array>
+#include <string>
+
+namespace fusetrain::amp {
+
+/// How a Float8Linear picks its per-tensor scales (Note [Float8 scaling],
+/// csrc/kernels/fp8_scaling.h): scale = fp8_max / amax / 2^margin.
+struct Float8Recipe {
+  enum class Scaling {
+    kDelayed,  ///< amax = max of the last amax_history_len amaxes (one pass)
+    kCurrent,  ///< amax = this tensor's own (two passes)
+  };
+  Scaling scaling = Scaling::kDelayed;
+  int64_t amax_history_len = 16;
+  int64_t margin = 0;
+
+  /// "delayed" or "current"; anything else throws, listing both.
+  static Float8Recipe from_name(const std::string& scaling);
+  /// Rows of the amax history buffer (1 for current scaling).
+  int64_t history_len() const { return scaling == Scaling::kDelayed ? amax_history_len : 1; }
+};
+
+/// Layers at least this wide (in and out features) run in float8 by default.
+constexpr int64_t kDefaultFp8MinFeatures = 1024;
+
+/// True when a Linear of these sizes may run in float8: both >= min_features
+/// and multiples of 16 (the shapes torch._scaled_mm takes on CUDA).
+bool float8_eligible(int64_t in_features, int64_t out_features, int64_t min_features);
+
+/// Throws c10::Error unless `device` has float8 GEMMs: the CPU (torch's
+/// reference _scaled_mm) or a CUDA GPU of compute capability >= 8.9. The
+/// message names the GPU and its capability.
+void check_float8_device(const c10::Device& device);
+
+/// torch::nn::Linear with float8 GEMMs through at::_scaled_mm: input and
+/// weight in e4m3 in the forward, the output gradient in e5m2 in the
+/// backward, fp32 accumulation; the weight gradient is fp32. Parameters
+/// "weight" [out, in] and "bias" [out] as torch::nn::Linear (same
+/// initialisation), plus the buffers "fp8_scale" [3] (input, weight, output
+/// gradient) and "fp8_amax_history" [3, H]. Under autocast the output is in
+/// the autocast dtype, else in the input's. In eval mode each tensor is
+/// scaled by itself and the scaling state is left alone.
+class Float8LinearImpl : public torch::nn::Cloneable<Float8LinearImpl> {
+ public:
+  Float8LinearImpl(int64_t in_features, int64_t out_features, bool bias = true,
+                   Float8Recipe recipe = {});
+  void reset() override;
+  at::Tensor forward(const at::Tensor& input);
+
+  /// Call after writing the buffers from a checkpoint: the next forward
+  /// rereads which histories hold data (one device read).
+  void state_loaded() { seeded_known_ = false; }
+
+  const Float8Recipe& recipe() const { return recipe_; }
+  int64_t in_features() const { return in_features_; }
+  int64_t out_features() const { return out_features_; }
+
+  at::Tensor weight;
+  at::Tensor bias;
+  at::Tensor fp8_scale;
+  at::Tensor fp8_amax_history;
+
+ private:
+  int64_t in_features_;
+  int64_t out_features_;
+  bool with_bias_;
+  Float8Recipe recipe_;
+  bool seeded_known_ = false;
+  // Per operand: has its delayed history seen a tensor? Shared with the
+  // backward nodes, which seed the output gradient's.
+  c10::intrusive_ptr<torch::CustomClassHolder> seeded_;
+};
+TORCH_MODULE(Float8Linear);
+
+}  // namespace fusetrain::amp
