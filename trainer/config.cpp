@@ -284,7 +284,7 @@ const std::vector<KeySpec>& config_schema() {
           "tensor's own amax (current)",
           {"delayed", "current"}),
       key("precision.fp8_amax_history", K::kInt, "16",
-          "mixed_float8, delayed scaling: amaxes kept per tensor", {}, 1, 1e6),
+          "mixed_float8, delayed scaling: amaxes kept per tensor", {}, 1, 1024),
       key("precision.master_weights", K::kBool, "false",
           "keep the model in 16 bits with float32 master weights in the optimizer"),
       key("precision.float32_head", K::kBool, "true",

@@ -344,7 +344,11 @@ int run_export(int argc, char** argv) {
   if (args.count("state-dict")) {
     ft::TensorDict state;
     for (const auto& [key, t] : ckpt) {
-      if (key.rfind("model.", 0) == 0) state.emplace_back(key.substr(6), t);
+      // A mixed_float8 run's scaling state (".fp8_*" buffers) is training
+      // state: the export loads into the float32 torch.nn.Module.
+      if (key.rfind("model.", 0) == 0 && key.find(".fp8_") == std::string::npos) {
+        state.emplace_back(key.substr(6), t);
+      }
     }
     const std::string out = args["state-dict"].as<std::string>();
     ft::write_tensor_dict(out, state);

@@ -345,7 +345,10 @@ torch::jit::Module mirror_as_script(const torch::nn::Module& m, const std::strin
 }  // namespace
 
 std::string export_traced_torchscript(const std::string& checkpoint, const std::string& out) {
-  const Config config = config_from_checkpoint(checkpoint);
+  Config config = config_from_checkpoint(checkpoint);
+  // The export is float32: a mixed_float8 run's model is rebuilt with plain
+  // linear layers (load_model skips the float8 scaling state).
+  config.set("precision.policy", "float32", "export");
   const TensorDict ckpt = read_checkpoint(checkpoint);
   const std::string& name = config.get_string("model.name");
   // The shapes the model was built for, as load_checkpoint.py reads them.

@@ -30,14 +30,21 @@ Seeded& seeded_of(const c10::intrusive_ptr<torch::CustomClassHolder>& p) {
   return *static_cast<Seeded*>(p.get());
 }
 
-// Casts x with the recipe's scale, updating scale[i] and history[i] in place.
+// Casts x with the recipe's scale, updating scale[i] and history[i] in place;
+// the first call of operand i seeds its history and marks it in both flags.
 at::Tensor quantize(const at::Tensor& x, at::ScalarType dtype, const at::Tensor& scale,
-                    const at::Tensor& history, int i, bool delayed, bool seeded, int64_t margin) {
+                    const at::Tensor& history, const at::Tensor& seeded_buffer, Seeded& seeded,
+                    int i, bool delayed, int64_t margin) {
   at::Tensor s = scale.narrow(0, i, 1);
   at::Tensor h = history.select(0, i);
-  if (delayed && seeded) return ops::fp8_quantize_delayed(x, dtype, s, h, margin);
+  if (delayed && seeded.value[i]) return ops::fp8_quantize_delayed(x, dtype, s, h, margin);
   at::Tensor first = h.narrow(0, 0, 1);  // current scaling, or seeding the history
-  return ops::fp8_quantize_current(x, dtype, s, first, margin);
+  at::Tensor q = ops::fp8_quantize_current(x, dtype, s, first, margin);
+  if (!seeded.value[i]) {
+    seeded.value[i] = true;
+    seeded_buffer.narrow(0, i, 1).fill_(1);
+  }
+  return q;
 }
 
 at::Tensor column_major(const at::Tensor& q) { return q.t().contiguous().t(); }
@@ -57,17 +64,17 @@ class Float8LinearFunction : public torch::autograd::Function<Float8LinearFuncti
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
                             const at::Tensor& weight, const at::Tensor& bias,
                             const at::Tensor& scale, const at::Tensor& history,
-                            const Float8Recipe& recipe, at::ScalarType out_dtype,
+                            const at::Tensor& seeded_buffer, const Float8Recipe& recipe,
+                            at::ScalarType out_dtype,
                             const c10::intrusive_ptr<torch::CustomClassHolder>& seeded_ptr) {
     Seeded& seeded = seeded_of(seeded_ptr);
     const bool delayed = recipe.scaling == Float8Recipe::Scaling::kDelayed;
     const int64_t in_features = weight.size(1);
     const at::Tensor x = input.reshape({-1, in_features});
-    const at::Tensor qx = quantize(x, at::kFloat8_e4m3fn, scale, history, kInput, delayed,
-                                   seeded.value[kInput], recipe.margin);
-    const at::Tensor qw = quantize(weight, at::kFloat8_e4m3fn, scale, history, kWeight, delayed,
-                                   seeded.value[kWeight], recipe.margin);
-    seeded.value[kInput] = seeded.value[kWeight] = true;
+    const at::Tensor qx = quantize(x, at::kFloat8_e4m3fn, scale, history, seeded_buffer, seeded,
+                                   kInput, delayed, recipe.margin);
+    const at::Tensor qw = quantize(weight, at::kFloat8_e4m3fn, scale, history, seeded_buffer,
+                                   seeded, kWeight, delayed, recipe.margin);
     const at::Tensor inv_x = scale.select(0, kInput).reciprocal();
     const at::Tensor inv_w = scale.select(0, kWeight).reciprocal();
     const bool fused_bias = bias.defined() && out_dtype != at::kFloat;
@@ -76,7 +83,7 @@ class Float8LinearFunction : public torch::autograd::Function<Float8LinearFuncti
                                                : std::nullopt,
                                     std::nullopt, out_dtype, /*use_fast_accum=*/true);
     if (bias.defined() && !fused_bias) out = out + bias.to(out_dtype);
-    ctx->save_for_backward({qx, qw, inv_x, inv_w, scale, history});
+    ctx->save_for_backward({qx, qw, inv_x, inv_w, scale, history, seeded_buffer});
     ctx->saved_data["delayed"] = delayed;
     ctx->saved_data["margin"] = recipe.margin;
     ctx->saved_data["seeded"] = c10::IValue::make_capsule(seeded_ptr);
@@ -92,14 +99,13 @@ class Float8LinearFunction : public torch::autograd::Function<Float8LinearFuncti
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &qx = saved[0], &qw = saved[1], &inv_x = saved[2], &inv_w = saved[3];
-    const at::Tensor &scale = saved[4], &history = saved[5];
+    const at::Tensor &scale = saved[4], &history = saved[5], &seeded_buffer = saved[6];
     const auto seeded_ptr = ctx->saved_data["seeded"].toCapsule();
     Seeded& seeded = seeded_of(seeded_ptr);
     const at::Tensor g = grads[0].reshape({-1, qw.size(0)});
     const at::Tensor qg =
-        quantize(g, at::kFloat8_e5m2, scale, history, kGrad, ctx->saved_data["delayed"].toBool(),
-                 seeded.value[kGrad], ctx->saved_data["margin"].toInt());
-    seeded.value[kGrad] = true;
+        quantize(g, at::kFloat8_e5m2, scale, history, seeded_buffer, seeded, kGrad,
+                 ctx->saved_data["delayed"].toBool(), ctx->saved_data["margin"].toInt());
     const at::Tensor inv_g = scale.select(0, kGrad).reciprocal();
     at::Tensor grad_input, grad_weight, grad_bias;
     if (ctx->needs_input_grad(0)) {
@@ -114,7 +120,7 @@ class Float8LinearFunction : public torch::autograd::Function<Float8LinearFuncti
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) {
       grad_bias = g.sum(0, /*keepdim=*/false, at::kFloat);
     }
-    return {grad_input, grad_weight, grad_bias, {}, {}, {}, {}, {}};
+    return {grad_input, grad_weight, grad_bias, {}, {}, {}, {}, {}, {}};
   }
 };
 
@@ -141,7 +147,8 @@ void check_float8_device(const c10::Device& device) {
   if (device.is_cpu()) return;
 #ifdef FUSETRAIN_WITH_CUDA
   if (device.is_cuda()) {
-    const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device.index() < 0 ? at::cuda::current_device() : device.index());
+    const c10::DeviceIndex index = device.has_index() ? device.index() : at::cuda::current_device();
+    const cudaDeviceProp* prop = at::cuda::getDeviceProperties(index);
     TORCH_CHECK(prop->major > 8 || (prop->major == 8 && prop->minor >= 9), "mixed_float8: ",
                 prop->name, " (", device, ") has compute capability ", prop->major, ".",
                 prop->minor, "; float8 GEMMs need 8.9 (Ada) or 9.0 (Hopper) or newer. Use the "
@@ -161,8 +168,8 @@ Float8LinearImpl::Float8LinearImpl(int64_t in_features, int64_t out_features, bo
       with_bias_(bias),
       recipe_(recipe),
       seeded_(c10::make_intrusive<Seeded>()) {
-  TORCH_CHECK(recipe.amax_history_len >= 1, "Float8Recipe: amax_history_len must be >= 1, got ",
-              recipe.amax_history_len);
+  TORCH_CHECK(recipe.amax_history_len >= 1 && recipe.amax_history_len <= 1024,
+              "Float8Recipe: amax_history_len must be in [1, 1024], got ", recipe.amax_history_len);
   TORCH_CHECK(recipe.margin >= 0 && recipe.margin < 128,
               "Float8Recipe: margin must be in [0, 128), got ", recipe.margin);
   reset();
@@ -179,34 +186,69 @@ void Float8LinearImpl::reset() {
   } else {
     bias = register_parameter("bias", {}, /*requires_grad=*/false);
   }
-  fp8_scale = register_buffer("fp8_scale", torch::ones({3}));
-  fp8_amax_history = register_buffer("fp8_amax_history", torch::zeros({3, recipe_.history_len()}));
+  fp8_scale = register_buffer("fp8_scale", torch::ones({3}, at::kFloat));
+  fp8_amax_history =
+      register_buffer("fp8_amax_history", torch::zeros({3, recipe_.history_len()}, at::kFloat));
+  fp8_seeded = register_buffer("fp8_seeded", torch::zeros({3}, at::kByte));
   seeded_ = c10::make_intrusive<Seeded>();
-  seeded_known_ = true;
+  // clone() copies the buffers after reset(): the first forward reads them.
+  seeded_known_ = false;
+}
+
+namespace {
+// Runs `cast` (a Module::to) and gives the scaling buffers their own dtypes
+// back, with their values as they were.
+template <typename Cast>
+void keep_state_dtypes(Float8LinearImpl& m, Cast&& cast) {
+  const at::Tensor scale = m.fp8_scale.detach().clone();
+  const at::Tensor history = m.fp8_amax_history.detach().clone();
+  const at::Tensor seeded = m.fp8_seeded.detach().clone();
+  cast();
+  m.fp8_scale.set_data(scale.to(m.fp8_scale.device()));
+  m.fp8_amax_history.set_data(history.to(m.fp8_amax_history.device()));
+  m.fp8_seeded.set_data(seeded.to(m.fp8_seeded.device()));
+}
+}  // namespace
+
+void Float8LinearImpl::to(torch::Dtype dtype, bool non_blocking) {
+  keep_state_dtypes(*this, [&] { Cloneable::to(dtype, non_blocking); });
+}
+
+void Float8LinearImpl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) {
+  keep_state_dtypes(*this, [&] { Cloneable::to(device, dtype, non_blocking); });
+}
+
+void Float8LinearImpl::to(torch::Device device, bool non_blocking) {
+  Cloneable::to(device, non_blocking);
 }
 
 at::Tensor Float8LinearImpl::forward(const at::Tensor& input) {
   check_float8_device(input.device());
+  TORCH_CHECK(!input.is_cuda() || (in_features_ % 16 == 0 && out_features_ % 16 == 0),
+              "Float8Linear(", in_features_, ", ", out_features_, "): float8 GEMMs on CUDA need in "
+              "and out features that are multiples of 16; keep this layer a torch::nn::Linear");
   const c10::DeviceType type = input.device().type();
   const at::ScalarType out_dtype =
       at::autocast::is_autocast_enabled(type) ? at::autocast::get_autocast_dtype(type)
                                               : input.scalar_type();
   if (!is_training()) {
     // Each tensor scaled by itself; the training state is left alone.
-    static const Float8Recipe kCurrent = Float8Recipe::from_name("current");
+    Float8Recipe current = Float8Recipe::from_name("current");
+    current.margin = recipe_.margin;
     auto fresh = c10::make_intrusive<Seeded>();
+    fresh->value = {true, true, true};
     return Float8LinearFunction::apply(
         input, weight, bias, torch::ones({3}, fp8_scale.options()),
-        torch::zeros({3, 1}, fp8_scale.options()), kCurrent, out_dtype,
-        c10::intrusive_ptr<torch::CustomClassHolder>(fresh));
+        torch::zeros({3, 1}, fp8_scale.options()), torch::ones({3}, fp8_seeded.options()),
+        current, out_dtype, c10::intrusive_ptr<torch::CustomClassHolder>(fresh));
   }
   if (!seeded_known_) {
-    const at::Tensor seen = (fp8_amax_history.abs().amax(1) > 0).cpu();
-    for (int i = 0; i < 3; ++i) seeded_of(seeded_).value[i] = seen[i].item<bool>();
+    const at::Tensor seen = fp8_seeded.cpu();
+    for (int i = 0; i < 3; ++i) seeded_of(seeded_).value[i] = seen[i].item<uint8_t>() != 0;
     seeded_known_ = true;
   }
-  return Float8LinearFunction::apply(input, weight, bias, fp8_scale, fp8_amax_history, recipe_,
-                                     out_dtype, seeded_);
+  return Float8LinearFunction::apply(input, weight, bias, fp8_scale, fp8_amax_history, fp8_seeded,
+                                     recipe_, out_dtype, seeded_);
 }
 
 }  // namespace fusetrain::amp

@@ -45,7 +45,8 @@ void check_float8_device(const c10::Device& device);
 /// backward, fp32 accumulation; the weight gradient is fp32. Parameters
 /// "weight" [out, in] and "bias" [out] as torch::nn::Linear (same
 /// initialisation), plus the buffers "fp8_scale" [3] (input, weight, output
-/// gradient) and "fp8_amax_history" [3, H]. Under autocast the output is in
+/// gradient), "fp8_amax_history" [3, H] and "fp8_seeded" [3] (uint8: which
+/// delayed histories hold data). Under autocast the output is in
 /// the autocast dtype, else in the input's. In eval mode each tensor is
 /// scaled by itself and the scaling state is left alone.
 class Float8LinearImpl : public torch::nn::Cloneable<Float8LinearImpl> {
@@ -55,8 +56,15 @@ class Float8LinearImpl : public torch::nn::Cloneable<Float8LinearImpl> {
   void reset() override;
   at::Tensor forward(const at::Tensor& input);
 
+  /// Casting the module's dtype casts the parameters only: the scaling state
+  /// stays float32 (and fp8_seeded uint8).
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
+
   /// Call after writing the buffers from a checkpoint: the next forward
-  /// rereads which histories hold data (one device read).
+  /// rereads fp8_seeded (one device read; also after construction, reset()
+  /// and clone()).
   void state_loaded() { seeded_known_ = false; }
 
   const Float8Recipe& recipe() const { return recipe_; }
@@ -67,6 +75,7 @@ class Float8LinearImpl : public torch::nn::Cloneable<Float8LinearImpl> {
   at::Tensor bias;
   at::Tensor fp8_scale;
   at::Tensor fp8_amax_history;
+  at::Tensor fp8_seeded;
 
  private:
   int64_t in_features_;

@@ -13,16 +13,19 @@ namespace {
 
 constexpr int kThreads = 512;
 
-// Max over the block of a per-thread value; the result is valid in thread 0.
+// Max over the block of a per-thread value (kBlock threads, a multiple of
+// 32); the result is valid in thread 0.
+template <int kBlock>
 __device__ uint32_t block_max(uint32_t v) {
-  __shared__ uint32_t warp_max[kThreads / 32];
+  static_assert(kBlock % 32 == 0 && kBlock <= 1024, "block of whole warps");
+  __shared__ uint32_t warp_max[kBlock / 32];
   for (int offset = 16; offset > 0; offset >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, offset));
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   if (lane == 0) warp_max[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    v = lane < static_cast<int>(blockDim.x >> 5) ? warp_max[lane] : 0u;
+    v = lane < kBlock / 32 ? warp_max[lane] : 0u;
     for (int offset = 16; offset > 0; offset >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, offset));
   }
   return v;
@@ -61,7 +64,7 @@ __global__ void __launch_bounds__(kThreads) amax_kernel(const T* x, int64_t n, u
     tail = packs * P::kSize;
   }
   for (int64_t i = tail + tid; i < n; i += stride) m = max(m, fp8::abs_bits(to_float(x[i])));
-  m = block_max(m);
+  m = block_max<kThreads>(m);
   if (threadIdx.x == 0 && m != 0) atomicMax(amax, m);
 }
 
@@ -97,26 +100,33 @@ __global__ void __launch_bounds__(kThreads)
     out[i] = to_fp8<kE5M2>(v, scale);
   }
   if (kAmax) {
-    m = block_max(m);
+    m = block_max<kThreads>(m);
     if (threadIdx.x == 0 && m != 0) atomicMax(amax, m);
   }
 }
 
-// One thread: the histories are short (tens of entries).
 __global__ void current_scale_kernel(float* scale, const float* amax, float fp8_max, int margin) {
   *scale = fp8::scale_from_amax(*amax, *scale, fp8_max, margin);
 }
 
-__global__ void delayed_scale_kernel(float* scale, float* history, int64_t len, float fp8_max,
-                                     int margin) {
+// One block of kMaxAmaxHistory threads: thread i reads history[i - 1] (and
+// history[i] for the max) before any thread writes, then stores it at i.
+constexpr int kHistoryThreads = static_cast<int>(fp8::kMaxAmaxHistory);
+
+__global__ void __launch_bounds__(kHistoryThreads)
+    delayed_scale_kernel(float* scale, float* history, int64_t len, float fp8_max, int margin) {
+  const int i = threadIdx.x;
   uint32_t m = 0;
-  for (int64_t i = 0; i < len; ++i) {
+  float shifted = 0.f;
+  if (i < len) {
     const uint32_t b = fp8::abs_bits(history[i]);
-    if (b < fp8::kInfBits) m = max(m, b);
+    if (b < fp8::kInfBits) m = b;
+    if (i > 0) shifted = history[i - 1];
   }
-  *scale = fp8::scale_from_amax(fp8::bits_float(m), *scale, fp8_max, margin);
-  for (int64_t i = len - 1; i > 0; --i) history[i] = history[i - 1];
-  history[0] = 0.f;  // the cast kernel maxes this step's amax into it
+  m = block_max<kHistoryThreads>(m);
+  __syncthreads();  // every thread has read before any writes
+  if (i < len) history[i] = shifted;  // history[0] = 0: the cast maxes this step's amax into it
+  if (i == 0) *scale = fp8::scale_from_amax(fp8::bits_float(m), *scale, fp8_max, margin);
 }
 
 int grid_for(int64_t n, int pack, int max_blocks) {
@@ -159,7 +169,8 @@ cudaError_t quantize_delayed(const T* x, int64_t n, Fp8Type out_type, uint8_t* o
                              float* history, int64_t len, int margin, int max_blocks,
                              cudaStream_t stream) {
   const float fp8_max = out_type == Fp8Type::kE5M2 ? fp8::kE5M2Max : fp8::kE4M3Max;
-  delayed_scale_kernel<<<1, 1, 0, stream>>>(scale, history, len, fp8_max, margin);
+  if (len < 1 || len > fp8::kMaxAmaxHistory) return cudaErrorInvalidValue;
+  delayed_scale_kernel<<<1, kHistoryThreads, 0, stream>>>(scale, history, len, fp8_max, margin);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || n == 0) return err;
   return launch_cast<T, true>(x, n, out_type, out, scale, reinterpret_cast<uint32_t*>(history),

@@ -43,32 +43,45 @@ FUSETRAIN_HOST_DEVICE inline float bits_float(uint32_t b) {
 #endif
 }
 
-/// |x|'s bit pattern. As unsigned integers these order like |x|, with inf
-/// above every finite value and NaN above inf, so the amax of a tensor is one
-/// integer max (an atomicMax on the GPU) and a NaN anywhere makes it NaN.
-FUSETRAIN_HOST_DEVICE inline uint32_t abs_bits(float x) { return float_bits(x) & kAbsMask; }
+/// |x|'s bit pattern, with every NaN made the one positive quiet NaN
+/// (0x7fc00000), so CPU and GPU agree whatever payload a conversion left. As
+/// unsigned integers these order like |x|, with inf above every finite value
+/// and NaN above inf: the amax of a tensor is one integer max (an atomicMax
+/// on the GPU), and a NaN anywhere makes it NaN.
+constexpr uint32_t kNaNBits = 0x7fc00000u;
+FUSETRAIN_HOST_DEVICE inline uint32_t abs_bits(float x) {
+  const uint32_t b = float_bits(x) & kAbsMask;
+  return b > kInfBits ? kNaNBits : b;
+}
+
+/// Longest amax history the ops take (the scale kernel holds it in one block).
+constexpr int64_t kMaxAmaxHistory = 1024;
 
 /// Note [Float8 scaling]: the scale that maps `amax` onto the format's largest
 /// value with `margin` binades of head-room, Transformer Engine's rule:
-///   scale = fp8_max / amax / 2^margin,   capped at FLT_MAX (a tiny amax);
+///   scale = fp8_max / amax / 2^margin,   kept within [FLT_MIN, FLT_MAX];
 /// an amax that is zero, inf or NaN keeps `prev_scale` (nothing to learn from
-/// it), so one overflowing step cannot poison the scale.
+/// it), so one overflowing step cannot poison the scale. A previous scale
+/// that is not a positive finite number (never written by these ops) counts
+/// as 1, so a finite x * scale is always finite or saturates, never NaN.
 FUSETRAIN_HOST_DEVICE inline float scale_from_amax(float amax, float prev_scale, float fp8_max,
                                                    int margin) {
+  if (!(prev_scale > 0.f) || abs_bits(prev_scale) >= kInfBits) prev_scale = 1.f;
   if (!(amax > 0.f) || abs_bits(amax) >= kInfBits) return prev_scale;
   const float scale = ldexpf(fp8_max / amax, -margin);
-  return abs_bits(scale) >= kInfBits ? FLT_MAX : scale;
+  if (abs_bits(scale) >= kInfBits) return FLT_MAX;
+  return scale < FLT_MIN ? FLT_MIN : scale;
 }
 
-/// The float8 byte of a non-finite input, as torch's (c10's) casts write it:
-/// e4m3fn has no inf, so inf and NaN become NaN (0x7f); e5m2 keeps inf (0x7c)
-/// and NaN (0x7f). The sign is kept. Non-finite values pass through the
-/// saturating cast this way so that GradScaler still sees the overflow.
+/// The float8 byte of a non-finite input: e4m3fn has no inf, so inf and NaN
+/// become NaN (0x7f, with inf's sign); e5m2 keeps inf (0x7c, signed) and NaN
+/// (0x7f). A NaN's sign is dropped (conversions do not agree on it). These
+/// pass through the saturating cast so that GradScaler still sees overflow.
 FUSETRAIN_HOST_DEVICE inline uint8_t non_finite_byte(float x, bool e5m2) {
   const uint32_t b = float_bits(x);
+  if ((b & kAbsMask) > kInfBits) return 0x7fu;
   const uint8_t sign = static_cast<uint8_t>((b >> 24) & 0x80u);
-  if (!e5m2) return static_cast<uint8_t>(0x7fu | sign);
-  return static_cast<uint8_t>(((b & kAbsMask) > kInfBits ? 0x7fu : 0x7cu) | sign);
+  return static_cast<uint8_t>((e5m2 ? 0x7cu : 0x7fu) | sign);
 }
 
 }  // namespace fusetrain::kernels::fp8

@@ -53,6 +53,10 @@ void check_fp8_quantize_args(const char* op, const at::Tensor& self, at::ScalarT
               state_name, " must be a contiguous 1-D tensor of at least one element, got shape ",
               state.sizes());
   check_same_device(state, self, op, state_name, "self");
+  TORCH_CHECK(state.numel() <= fp8::kMaxAmaxHistory, op, ": ", state_name, " holds ",
+              state.numel(), " entries; at most ", fp8::kMaxAmaxHistory, " are supported");
+  TORCH_CHECK(!state.is_same(scale), op, ": scale and ",
+              state_name, " must be different tensors");
   TORCH_CHECK(margin >= 0 && margin < 128, op, ": margin must be in [0, 128), got ", margin);
 }
 
@@ -162,6 +166,8 @@ at::Tensor quantize_delayed_cpu(const at::Tensor& self, at::ScalarType dtype, at
 at::Tensor quantize_current_meta(const at::Tensor& self, at::ScalarType dtype, at::Tensor& scale,
                                  at::Tensor& amax, int64_t margin) {
   check_fp8_quantize_args(kCurrentOp, self, dtype, scale, amax, "amax", margin);
+  TORCH_CHECK(amax.numel() == 1, kCurrentOp, ": amax must hold exactly one element, got shape ",
+              amax.sizes());
   return at::empty(self.sizes(), self.options().dtype(dtype));
 }
 

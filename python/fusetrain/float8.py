@@ -3,8 +3,10 @@
 A :class:`Float8Linear` is an ``nn.Linear`` (same parameters and state-dict
 keys) whose three GEMMs run in float8 through ``torch._scaled_mm``, the
 "hybrid" format of Transformer Engine: the input and the weight in e4m3 in the
-forward, the output gradient in e5m2 in the backward, fp32 accumulation. The
-weight stays an fp32 master; its gradient is fp32.
+forward, the output gradient in e5m2 in the backward. The products
+accumulate in fp32; on Hopper the forward GEMM uses cuBLAS' fast-accumulation
+mode and the two backward GEMMs the exact one, as Transformer Engine and
+torchao do. The weight stays an fp32 master; its gradient is fp32.
 
 Each of the three operands (input, weight, output gradient) has its own
 per-tensor scale, chosen by a :class:`Float8Recipe` (Note [Float8 scaling] in
@@ -26,7 +28,12 @@ is two buffers, saved in checkpoints:
 - ``fp8_scale`` ``[3]``: the scales last used for input, weight and output
   gradient;
 - ``fp8_amax_history`` ``[3, H]``: their amaxes, newest first (``H = 1`` for
-  current scaling).
+  current scaling);
+- ``fp8_seeded`` ``[3]`` (uint8): which delayed histories hold data, so a
+  resumed run takes exactly the steps the uninterrupted one takes.
+
+Under DistributedDataParallel (``broadcast_buffers=True``, the default) every
+rank uses rank 0's scaling state.
 """
 
 from __future__ import annotations
@@ -67,9 +74,10 @@ class Float8Recipe:
     def __init__(self, scaling: str = "delayed", amax_history_len: int = 16, margin: int = 0):
         if scaling not in ("delayed", "current"):
             raise ValueError(f'Float8Recipe: scaling must be "delayed" or "current", got {scaling!r}')
-        if not isinstance(amax_history_len, int) or amax_history_len < 1:
+        if not isinstance(amax_history_len, int) or not 1 <= amax_history_len <= 1024:
             raise ValueError(
-                f"Float8Recipe: amax_history_len must be a positive int, got {amax_history_len!r}"
+                f"Float8Recipe: amax_history_len must be an int in [1, 1024], got "
+                f"{amax_history_len!r}"
             )
         if not isinstance(margin, int) or not 0 <= margin < 128:
             raise ValueError(f"Float8Recipe: margin must be an int in [0, 128), got {margin!r}")
@@ -87,14 +95,14 @@ class Float8Recipe:
             getattr(self, k) == getattr(other, k) for k in self.__slots__
         )
 
+    def __hash__(self) -> int:
+        return hash((self.scaling, self.amax_history_len, self.margin))
+
     def __repr__(self) -> str:
         return (
             f'Float8Recipe(scaling="{self.scaling}", amax_history_len={self.amax_history_len}, '
             f"margin={self.margin})"
         )
-
-
-_CURRENT = Float8Recipe(scaling="current")
 
 
 def _as_recipe(recipe: Union[Float8Recipe, str, None]) -> Float8Recipe:
@@ -129,12 +137,29 @@ def _check_fp8_device(device: torch.device) -> None:
     )
 
 
-def _quantize(x, dtype, scale, history, recipe, seeded: bool):
-    """Casts x to float8 with the recipe's scale, updating scale/history in place."""
-    if recipe.scaling == "delayed" and seeded:
-        return torch.ops.fusetrain.fp8_quantize_delayed(x, dtype, scale, history, recipe.margin)
-    # Current scaling, and the first delayed call, which seeds history[0].
-    return torch.ops.fusetrain.fp8_quantize_current(x, dtype, scale, history[:1], recipe.margin)
+class _Float8State:
+    """What the autograd function reads and updates: the scaling buffers, the
+    recipe, and per operand whether its delayed history holds data yet (a
+    host list, so a step never reads the device to know, mirrored in the
+    ``fp8_seeded`` buffer for checkpoints)."""
+
+    __slots__ = ("scale", "history", "seeded_buffer", "seeded", "recipe")
+
+    def __init__(self, scale, history, seeded_buffer, seeded, recipe):
+        self.scale, self.history = scale, history
+        self.seeded_buffer, self.seeded, self.recipe = seeded_buffer, seeded, recipe
+
+    def quantize(self, x: torch.Tensor, dtype, i: int) -> torch.Tensor:
+        """x in float8 with operand i's scale, updating its scale and history."""
+        scale, history, margin = self.scale[i : i + 1], self.history[i], self.recipe.margin
+        if self.recipe.scaling == "delayed" and self.seeded[i]:
+            return torch.ops.fusetrain.fp8_quantize_delayed(x, dtype, scale, history, margin)
+        # Current scaling, and the first delayed call, which seeds history[0].
+        q = torch.ops.fusetrain.fp8_quantize_current(x, dtype, scale, history[:1], margin)
+        if not self.seeded[i]:
+            self.seeded[i] = True
+            self.seeded_buffer[i : i + 1].fill_(1)
+        return q
 
 
 def _column_major(q: torch.Tensor) -> torch.Tensor:
@@ -155,17 +180,13 @@ def _pad_rows(q: torch.Tensor, multiple: int) -> torch.Tensor:
 
 class _Float8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input, weight, bias, scale, history, recipe, out_dtype, seeded):
+    def forward(ctx, input, weight, bias, state, out_dtype):
         in_features = weight.shape[1]
-        x = input.reshape(-1, in_features)
-        qx = _quantize(x, torch.float8_e4m3fn, scale[_INPUT : _INPUT + 1], history[_INPUT],
-                       recipe, seeded[_INPUT])
-        qw = _quantize(weight, torch.float8_e4m3fn, scale[_WEIGHT : _WEIGHT + 1],
-                       history[_WEIGHT], recipe, seeded[_WEIGHT])
-        seeded[_INPUT] = seeded[_WEIGHT] = True
+        qx = state.quantize(input.reshape(-1, in_features), torch.float8_e4m3fn, _INPUT)
+        qw = state.quantize(weight, torch.float8_e4m3fn, _WEIGHT)
         # The dequantisation factors of these casts; the buffers move on.
-        inv_x = scale[_INPUT].reciprocal()
-        inv_w = scale[_WEIGHT].reciprocal()
+        inv_x = state.scale[_INPUT].reciprocal()
+        inv_w = state.scale[_WEIGHT].reciprocal()
         fused_bias = bias is not None and out_dtype != torch.float32
         out = torch._scaled_mm(
             qx, qw.t(), scale_a=inv_x, scale_b=inv_w,
@@ -174,21 +195,19 @@ class _Float8LinearFunction(torch.autograd.Function):
         )
         if bias is not None and not fused_bias:
             out = out + bias.to(out_dtype)
-        ctx.save_for_backward(qx, qw, inv_x, inv_w, scale, history)
-        ctx.recipe, ctx.seeded = recipe, seeded
+        ctx.save_for_backward(qx, qw, inv_x, inv_w)
+        ctx.state = state
         ctx.input_shape, ctx.input_dtype = input.shape, input.dtype
         ctx.has_bias = bias is not None
         return out.reshape(*input.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_output):
-        qx, qw, inv_x, inv_w, scale, history = ctx.saved_tensors
-        out_features = qw.shape[0]
-        g = grad_output.reshape(-1, out_features)
-        qg = _quantize(g, torch.float8_e5m2, scale[_GRAD : _GRAD + 1], history[_GRAD],
-                       ctx.recipe, ctx.seeded[_GRAD])
-        ctx.seeded[_GRAD] = True
-        inv_g = scale[_GRAD].reciprocal()
+        qx, qw, inv_x, inv_w = ctx.saved_tensors
+        state = ctx.state
+        g = grad_output.reshape(-1, qw.shape[0])
+        qg = state.quantize(g, torch.float8_e5m2, _GRAD)
+        inv_g = state.scale[_GRAD].reciprocal()
         grad_input = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_input = torch._scaled_mm(
@@ -202,7 +221,7 @@ class _Float8LinearFunction(torch.autograd.Function):
             )
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = g.sum(0, dtype=torch.float32)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None
+        return grad_input, grad_weight, grad_bias, None, None
 
 
 class Float8Linear(torch.nn.Linear):
@@ -211,7 +230,7 @@ class Float8Linear(torch.nn.Linear):
     Same constructor as ``torch.nn.Linear`` plus ``recipe`` (a
     :class:`Float8Recipe`, ``"delayed"`` or ``"current"``). Parameters and
     their state-dict keys are ``nn.Linear``'s; the scaling state adds the
-    buffers ``fp8_scale`` and ``fp8_amax_history``. Loading an ``nn.Linear``
+    buffers ``fp8_scale``, ``fp8_amax_history`` and ``fp8_seeded``. Loading an ``nn.Linear``
     state dict (without them) starts the scaling state afresh.
 
     Under autocast the output is in the autocast dtype (bf16 under
@@ -224,6 +243,8 @@ class Float8Linear(torch.nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_fp8_state(_as_recipe(recipe), self.weight.device)
 
+    _FP8_BUFFERS = ("fp8_scale", "fp8_amax_history", "fp8_seeded")
+
     def _init_fp8_state(self, recipe: Float8Recipe, device) -> None:
         self.recipe = recipe
         self.register_buffer("fp8_scale", torch.ones(3, dtype=torch.float32, device=device))
@@ -231,8 +252,7 @@ class Float8Linear(torch.nn.Linear):
             "fp8_amax_history",
             torch.zeros(3, recipe.history_len, dtype=torch.float32, device=device),
         )
-        # Per operand: has the delayed history seen a tensor yet? (A host
-        # flag, so the step never reads the device to find out.)
+        self.register_buffer("fp8_seeded", torch.zeros(3, dtype=torch.uint8, device=device))
         self._fp8_seeded = [False, False, False]
 
     @classmethod
@@ -255,35 +275,52 @@ class Float8Linear(torch.nn.Linear):
         if getattr(self, "_fusetrain_float32", False):
             return F.linear(input, self.weight, self.bias)
         _check_fp8_device(input.device)
-        scale, history, recipe, seeded = (
-            self.fp8_scale, self.fp8_amax_history, self.recipe, self._fp8_seeded
-        )
-        if not self.training:
+        if input.is_cuda and (self.in_features % 16 or self.out_features % 16):
+            raise RuntimeError(
+                f"Float8Linear({self.in_features}, {self.out_features}): float8 GEMMs on CUDA "
+                f"need in and out features that are multiples of 16; keep this layer an "
+                f"nn.Linear (apply_policy leaves such layers alone)"
+            )
+        if self.training:
+            state = _Float8State(self.fp8_scale, self.fp8_amax_history, self.fp8_seeded,
+                                 self._fp8_seeded, self.recipe)
+        else:
             # Evaluation scales each tensor by itself and leaves the training
             # state alone: how often a run evaluates cannot change its steps.
-            scale = torch.ones(3, dtype=torch.float32, device=scale.device)
-            history = torch.zeros(3, 1, dtype=torch.float32, device=scale.device)
-            recipe, seeded = _CURRENT, [True, True, True]
+            device = self.fp8_scale.device
+            state = _Float8State(
+                torch.ones(3, device=device), torch.zeros(3, 1, device=device),
+                torch.zeros(3, dtype=torch.uint8, device=device), [True, True, True],
+                Float8Recipe("current", margin=self.recipe.margin),
+            )
         device_type = input.device.type
         if torch.is_autocast_enabled(device_type):
             out_dtype = torch.get_autocast_dtype(device_type)
         else:
             out_dtype = input.dtype
-        return _Float8LinearFunction.apply(
-            input, self.weight, self.bias, scale, history, recipe, out_dtype, seeded
-        )
+        return _Float8LinearFunction.apply(input, self.weight, self.bias, state, out_dtype)
 
     def reset_fp8_state(self) -> None:
         """Scales back to 1, histories emptied (the next call re-seeds them)."""
         with torch.no_grad():
             self.fp8_scale.fill_(1.0)
             self.fp8_amax_history.zero_()
+            self.fp8_seeded.zero_()
         self._fp8_seeded = [False, False, False]
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype), .half(), .bfloat16() move the scaling state with the
+        # device but keep it float32: the ops compute scales in float32.
+        saved = {k: self._buffers[k] for k in self._FP8_BUFFERS[:2]}
+        super()._apply(fn, recurse)
+        for k, old in saved.items():
+            if self._buffers[k].dtype != torch.float32:
+                self._buffers[k] = old.to(self._buffers[k].device)
+        return self
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        fp8_keys = [prefix + "fp8_scale", prefix + "fp8_amax_history"]
-        present = [k in state_dict for k in fp8_keys]
+        fp8_keys = [prefix + k for k in self._FP8_BUFFERS]
         history = state_dict.get(fp8_keys[1])
         if history is not None and tuple(history.shape) != tuple(self.fp8_amax_history.shape):
             error_msgs.append(
@@ -296,14 +333,13 @@ class Float8Linear(torch.nn.Linear):
         before = len(missing_keys)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-        if not any(present):
+        if not any(k in state_dict for k in fp8_keys):
             # An nn.Linear checkpoint: keep the weights, start the scaling afresh.
             missing_keys[before:] = [k for k in missing_keys[before:] if k not in fp8_keys]
             self.reset_fp8_state()
         else:
             # One read at load time: which histories hold data already.
-            seen = (self.fp8_amax_history.abs().amax(dim=1) > 0).tolist()
-            self._fp8_seeded = [bool(s) for s in seen]
+            self._fp8_seeded = [bool(s) for s in self.fp8_seeded.tolist()]
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"

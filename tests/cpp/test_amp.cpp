@@ -1202,7 +1202,7 @@ TEST_CASE("GradScaler save() writes atomically and load() restores", "[scaler][s
 
 TEST_CASE("Policy names and dtypes", "[policy]") {
   REQUIRE(Policy::names() ==
-          std::vector<std::string>{"float32", "mixed_float16", "mixed_bfloat16"});
+          std::vector<std::string>{"float32", "mixed_float16", "mixed_bfloat16", "mixed_float8"});
   const Policy f32("float32"), f16("mixed_float16"), bf16("mixed_bfloat16");
   REQUIRE(f32.compute_dtype() == at::kFloat);
   REQUIRE(f16.compute_dtype() == at::kHalf);

@@ -77,19 +77,32 @@ TEST_CASE("Float8Linear: delayed scaling seeds its history, then uses it", "[flo
   REQUIRE(layer->fp8_amax_history.sizes() == at::IntArrayRef({3, 3}));
   std::vector<float> amaxes;
   std::vector<float> scales;
-  for (double m : {1.0, 4.0, 0.5, 2.0}) {
+  for (double m : {4.0, 1.0, 0.5, 2.0, 1.0}) {
     const at::Tensor x = torch::randn({5, 32}) * m;
     layer->forward(x).sum().backward();
     amaxes.insert(amaxes.begin(), x.abs().max().item<float>());
     scales.push_back(layer->fp8_scale[0].item<float>());
     CHECK(layer->fp8_amax_history[0][0].item<float>() == amaxes[0]);
   }
-  // Step 0 seeds with its own amax; later steps use the history before them.
-  CHECK(scales[0] == 448.f / amaxes[3]);
-  CHECK(scales[1] == 448.f / amaxes[3]);
-  CHECK(scales[2] == 448.f / std::max(amaxes[3], amaxes[2]));
-  CHECK(scales[3] == 448.f / std::max({amaxes[3], amaxes[2], amaxes[1]}));
+  // amaxes is newest first: a0 = amaxes[4] ... a4 = amaxes[0]. Step 0 seeds
+  // with its own amax; step s uses the (up to 3) amaxes before it, so the
+  // large a0 leaves the window at step 4.
+  CHECK(scales[0] == 448.f / amaxes[4]);
+  CHECK(scales[1] == 448.f / amaxes[4]);
+  CHECK(scales[2] == 448.f / std::max(amaxes[4], amaxes[3]));
+  CHECK(scales[3] == 448.f / std::max({amaxes[4], amaxes[3], amaxes[2]}));
+  CHECK(scales[4] == 448.f / std::max({amaxes[3], amaxes[2], amaxes[1]}));
+  CHECK(scales[4] > scales[3]);  // the x4 step dropped out of the history
   CHECK(layer->fp8_amax_history[0][2].item<float>() == amaxes[2]);
+
+  // A clone keeps the seeding: its next step uses the copied history, as
+  // the original's does.
+  auto cloned = std::dynamic_pointer_cast<fusetrain::amp::Float8LinearImpl>(layer->clone());
+  REQUIRE(cloned);
+  const at::Tensor x5 = torch::randn({5, 32});
+  CHECK(torch::equal(cloned->forward(x5), layer->forward(x5)));
+  CHECK(torch::equal(cloned->fp8_scale, layer->fp8_scale));
+  CHECK(torch::equal(cloned->fp8_amax_history, layer->fp8_amax_history));
 
   // A copy loaded into a fresh layer rereads its seeding: the next step
   // uses the history, exactly as the original's next step does.
@@ -100,6 +113,7 @@ TEST_CASE("Float8Linear: delayed scaling seeds its history, then uses it", "[flo
     copy->bias.copy_(layer->bias);
     copy->fp8_scale.copy_(layer->fp8_scale);
     copy->fp8_amax_history.copy_(layer->fp8_amax_history);
+    copy->fp8_seeded.copy_(layer->fp8_seeded);
   }
   copy->state_loaded();
   const at::Tensor x = torch::randn({5, 32}) * 100;
@@ -108,6 +122,19 @@ TEST_CASE("Float8Linear: delayed scaling seeds its history, then uses it", "[flo
   CHECK(torch::equal(a, b));
   CHECK(torch::equal(layer->fp8_scale, copy->fp8_scale));
   CHECK(torch::equal(layer->fp8_amax_history, copy->fp8_amax_history));
+}
+
+TEST_CASE("Float8Linear: a dtype cast keeps the scaling state float32", "[float8]") {
+  Float8Linear layer(32, 16);
+  layer->forward(torch::randn({4, 32})).sum().backward();
+  const at::Tensor scale = layer->fp8_scale.clone();
+  layer->to(at::kBFloat16);
+  CHECK(layer->weight.scalar_type() == at::kBFloat16);
+  CHECK(layer->fp8_scale.scalar_type() == at::kFloat);
+  CHECK(torch::equal(layer->fp8_scale, scale));
+  CHECK(layer->fp8_amax_history.scalar_type() == at::kFloat);
+  CHECK(layer->fp8_seeded.scalar_type() == at::kByte);
+  CHECK(layer->forward(torch::randn({4, 32}, at::kBFloat16)).scalar_type() == at::kBFloat16);
 }
 
 TEST_CASE("Float8Linear in eval mode leaves the scaling state alone", "[float8]") {
@@ -133,7 +160,8 @@ TEST_CASE("Float8Linear has nn::Linear's parameters and initialisation", "[float
   std::vector<std::string> names;
   for (const auto& p : f8->named_parameters()) names.push_back(p.key());
   for (const auto& b : f8->named_buffers()) names.push_back(b.key());
-  CHECK(names == std::vector<std::string>{"weight", "bias", "fp8_scale", "fp8_amax_history"});
+  CHECK(names == std::vector<std::string>{"weight", "bias", "fp8_scale", "fp8_amax_history",
+                                          "fp8_seeded"});
   // Under bf16 autocast the output is bf16.
   const fusetrain::amp::AutocastGuard autocast(c10::DeviceType::CPU,
                                                fusetrain::amp::Policy("mixed_float8"));

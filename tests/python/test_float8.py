@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import fusetrain.amp
+import fusetrain.optim
 from fusetrain.amp import Float8Linear, Float8Recipe, Policy, apply_policy
 from fusetrain.float8 import _check_fp8_device
 
@@ -45,7 +46,7 @@ def code_table(dtype):
 def reference_quantize(x: torch.Tensor, scale: float, dtype) -> np.ndarray:
     """Bytes of saturate(x * scale), nearest with ties to the even code, from
     the code table; x * scale is rounded to float32 first, as the op computes
-    it. Non-finite x: e4m3 NaN (0x7f), e5m2 inf (0x7c) or NaN (0x7f), signed."""
+    it. Inf: e4m3 NaN (0x7f), e5m2 inf (0x7c), signed; NaN: 0x7f."""
     values, codes = code_table(dtype)
     xf = x.float().numpy().astype(np.float32).ravel()
     with np.errstate(over="ignore"):
@@ -58,12 +59,10 @@ def reference_quantize(x: torch.Tensor, scale: float, dtype) -> np.ndarray:
     pick_hi = (d_hi < d_lo) | ((d_hi == d_lo) & (codes[hi] % 2 == 0))
     out = np.where(pick_hi, codes[hi], codes[lo])
     out[a == values[hi]] = codes[hi][a == values[hi]]
-    nonfinite = ~np.isfinite(xf)
-    if dtype == E4M3:
-        out[nonfinite] = 0x7F
-    else:
-        out[nonfinite] = np.where(np.isnan(xf[nonfinite]), 0x7F, 0x7C)
-    return (out | sign).astype(np.uint8).reshape(x.shape)
+    out = out | sign
+    out[np.isinf(xf)] = (0x7F if dtype == E4M3 else 0x7C) | sign[np.isinf(xf)]
+    out[np.isnan(xf)] = 0x7F  # a NaN's sign is dropped
+    return out.astype(np.uint8).reshape(x.shape)
 
 
 def reference_scale(amax: float, prev: float, dtype, margin: int = 0) -> float:
@@ -130,7 +129,8 @@ def test_current_scaling_matches_the_reference(dtype, in_dtype, margin):
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 def test_saturation_non_finite_values_and_strided_input(dtype):
-    x = torch.tensor([1.0, -1.0, 3e4, -3e4, float("inf"), -float("inf"), float("nan"), 0.0, -0.0])
+    x = torch.tensor([1.0, -1.0, 3e4, -3e4, float("inf"), -float("inf"), float("nan"), 0.0, -0.0,
+                      -float("nan")])
     # A scale so large that finite values overflow float32 when multiplied.
     bytes_ = as_bytes(delayed_op(x, dtype, torch.full((1,), FLT_MAX), torch.zeros(1)))
     np.testing.assert_array_equal(bytes_, reference_quantize(x, FLT_MAX, dtype))
@@ -152,10 +152,20 @@ def test_scale_rule_edge_cases():
         assert scale.item() == 0.25, note
         if note == "nan":
             assert amax.isnan().item() and q.float().isnan()[1]
-    # A tiny amax would give an infinite scale: capped at FLT_MAX.
+    # A tiny amax would give an infinite scale: capped at FLT_MAX; a huge one
+    # with a large margin would underflow to 0: kept at FLT_MIN.
     scale = torch.ones(1)
     current_op(torch.tensor([1e-39]), dtype, scale, torch.zeros(1))
     assert scale.item() == FLT_MAX
+    current_op(torch.tensor([3e38]), dtype, scale, torch.zeros(1), 127)
+    assert scale.item() == float(np.finfo(np.float32).tiny)
+    # A previous scale no op writes (inf, NaN, 0, negative) counts as 1: the
+    # cast of finite values stays finite.
+    for bad in [float("inf"), float("nan"), 0.0, -2.0]:
+        scale = torch.full((1,), bad)
+        q = delayed_op(torch.tensor([1.0, -3.0, 0.0]), dtype, scale, torch.zeros(2))
+        assert scale.item() == 1.0
+        np.testing.assert_array_equal(as_bytes(q), reference_quantize(torch.tensor([1.0, -3.0, 0.0]), 1.0, dtype))
 
 
 def test_bad_arguments_name_what_is_wrong():
@@ -170,6 +180,11 @@ def test_bad_arguments_name_what_is_wrong():
         current_op(x.double(), E4M3, torch.ones(1), torch.zeros(1))
     with pytest.raises(RuntimeError, match="margin must be in"):
         current_op(x, E4M3, torch.ones(1), torch.zeros(1), -1)
+    with pytest.raises(RuntimeError, match="at most 1024 are supported"):
+        delayed_op(x, E4M3, torch.ones(1), torch.zeros(1025))
+    s = torch.ones(1)
+    with pytest.raises(RuntimeError, match="must be different tensors"):
+        current_op(x, E4M3, s, s)
 
 
 def test_delayed_scaling_rolls_the_history_and_follows_the_formula():
@@ -308,16 +323,36 @@ def test_delayed_recipe_seeds_then_uses_the_history():
     assert scales[3] == reference_scale(max(amaxes[-3:]), scales[2], E4M3)
 
 
-def test_evaluation_leaves_the_scaling_state_alone():
-    layer = Float8Linear(32, 16)
+def test_evaluation_scales_by_the_tensor_and_leaves_the_state_alone():
+    layer = Float8Linear(32, 16, recipe=Float8Recipe("delayed", margin=1))
     layer(torch.randn(4, 32)).sum().backward()
     state = copy.deepcopy(layer.state_dict())
     layer.eval()
+    x = torch.randn(4, 32) * 100  # far outside the training history's range
     with torch.no_grad():
-        out = layer(torch.randn(4, 32) * 100)
-    assert torch.isfinite(out).all()
+        out = layer(x)
     for k, v in layer.state_dict().items():
         assert torch.equal(v, state[k]), k
+    # The reference: current scaling of x itself, with the recipe's margin.
+    sx = reference_scale(x.abs().max().item(), 1.0, E4M3, margin=1)
+    sw = reference_scale(layer.weight.abs().max().item(), 1.0, E4M3, margin=1)
+    xq, wq = dequantized(x, E4M3, sx), dequantized(layer.weight, E4M3, sw)
+    expected = xq @ wq.t() + layer.bias.double()
+    assert ((out.double() - expected).abs() <= gemm_bound(xq, wq.t()) + 1e-6 * expected.abs()).all()
+
+
+def test_dtype_casts_keep_the_scaling_state_float32_and_no_bias_works():
+    layer = Float8Linear(32, 16, bias=False)
+    layer(torch.randn(4, 32)).sum().backward()
+    scale = layer.fp8_scale.clone()
+    layer.bfloat16()
+    assert layer.weight.dtype == torch.bfloat16
+    assert layer.fp8_scale.dtype == torch.float32 and torch.equal(layer.fp8_scale, scale)
+    assert layer.fp8_amax_history.dtype == torch.float32 and layer.fp8_seeded.dtype == torch.uint8
+    x = torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True)
+    y = layer(x)
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16 and layer.bias is None
 
 
 def test_float8_linear_state_dict_and_loading_an_nn_linear():
@@ -325,7 +360,8 @@ def test_float8_linear_state_dict_and_loading_an_nn_linear():
     lin = nn.Linear(32, 16)
     layer = Float8Linear.from_linear(lin, recipe="delayed")
     assert layer.weight is lin.weight and layer.bias is lin.bias
-    assert list(layer.state_dict()) == ["weight", "bias", "fp8_scale", "fp8_amax_history"]
+    assert list(layer.state_dict()) == ["weight", "bias", "fp8_scale", "fp8_amax_history",
+                                        "fp8_seeded"]
     layer(torch.randn(4, 32)).sum().backward()
     # An nn.Linear checkpoint: weights load, the scaling state starts afresh.
     fresh = Float8Linear(32, 16)
@@ -358,6 +394,9 @@ def test_recipe_validation():
         Float8Recipe("dynamic")
     with pytest.raises(ValueError, match="amax_history_len"):
         Float8Recipe(amax_history_len=0)
+    with pytest.raises(ValueError, match="amax_history_len"):
+        Float8Recipe(amax_history_len=1025)
+    assert hash(Float8Recipe("current")) == hash(Float8Recipe("current"))
     with pytest.raises(ValueError, match="margin"):
         Float8Recipe(margin=-1)
     with pytest.raises(TypeError, match="recipe must be"):
@@ -409,7 +448,7 @@ def test_apply_policy_swaps_eligible_linears_keeping_parameters_and_keys():
     new_keys = list(model.state_dict())
     assert [k for k in new_keys if "fp8_" not in k] == keys
     assert {k for k in new_keys if "fp8_" in k} == {
-        "big.fp8_scale", "big.fp8_amax_history", "head.1.fp8_scale", "head.1.fp8_amax_history"
+        f"{m}.fp8_{b}" for m in ("big", "head.1") for b in ("scale", "amax_history", "seeded")
     }
     y = model(torch.randn(3, 64))
     assert y.dtype == torch.float32  # the float32 island's output
@@ -546,22 +585,40 @@ def fp8_cuda_available():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
+def as_int32(t: torch.Tensor) -> np.ndarray:
+    return t.cpu().contiguous().view(torch.int32).numpy()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,offset", [(278011, 0), (4096, 3), (1, 0), (0, 0)])
-def test_cuda_quantize_is_bit_identical_to_the_cpu(dtype, in_dtype, n, offset):
+@pytest.mark.parametrize("n,offset,nan", [(278011, 0, False), (278011, 0, True), (4096, 3, False),
+                                          (4097, 1, True), (1, 0, False), (0, 0, False)])
+def test_cuda_quantize_is_bit_identical_to_the_cpu(dtype, in_dtype, n, offset, nan):
     base = wide_range(n + offset).to(in_dtype)
-    base[offset + n // 2 :: 1013] = float("nan") if n > 1 else base[offset + n // 2 :: 1013]
+    if nan:
+        base[offset + n // 2 :: 1013] = float("nan")
+        base[offset + n // 3] = -float("nan")
+    else:
+        base[offset:][:: 4099] = float(FP8_MAX[E5M2])  # saturation in e4m3
     x = base[offset:]
-    for op, state in [(current_op, torch.zeros(1)), (delayed_op, torch.tensor([0.5, 3.0, float("inf")]))]:
+    for op, state in [(current_op, torch.zeros(1)),
+                      (delayed_op, torch.tensor([0.5, 3.0, float("inf"), 0.0]))]:
         s_cpu, st_cpu = torch.full((1,), 2.0), state.clone()
         s_gpu, st_gpu = s_cpu.cuda(), state.cuda()
         q_cpu = op(x, dtype, s_cpu, st_cpu, 1)
         q_gpu = op(base.cuda()[offset:], dtype, s_gpu, st_gpu, 1)
-        assert torch.equal(s_gpu.cpu().view(torch.int32), s_cpu.view(torch.int32))
-        np.testing.assert_array_equal(st_gpu.cpu().numpy(), st_cpu.numpy())
+        np.testing.assert_array_equal(as_int32(s_gpu), as_int32(s_cpu))
+        np.testing.assert_array_equal(as_int32(st_gpu), as_int32(st_cpu))
         np.testing.assert_array_equal(as_bytes(q_gpu.cpu()), as_bytes(q_cpu))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_cuda_rounds_ties_and_signed_zeros_as_the_cpu(dtype):
+    x = torch.cat([midpoints(dtype), torch.tensor([0.0, -0.0, -1e-30, 1e-30])])
+    q_gpu = current_op(x.cuda(), dtype, torch.ones(1, device="cuda"), torch.zeros(1, device="cuda"))
+    np.testing.assert_array_equal(as_bytes(q_gpu.cpu()), reference_quantize(x, 1.0, dtype))
 
 
 @pytest.mark.cuda
@@ -612,3 +669,51 @@ def test_cuda_float8_linear_matches_the_cpu():
     torch.testing.assert_close(yg.float().cpu(), y.float(), rtol=2**-7, atol=1e-3)
     torch.testing.assert_close(xg.grad.cpu(), x.grad, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(gpu.weight.grad.cpu(), cpu.weight.grad, rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------- fuse_steps
+
+
+def _fp8_steps(device, recipe):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    apply_policy(model, "mixed_float8", fp8_min_features=16, recipe=recipe)
+    model.to(device)
+    assert model.fusetrain_float8_modules == ["0", "2"]
+    opt = fusetrain.optim.FusedAdamW(model.parameters(), lr=1e-2)
+
+    def step(x, y):
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        return loss.detach()
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(24, 32, generator=g).to(device),
+                torch.randint(0, 16, (24,), generator=g).to(device)) for _ in range(16)]
+    return model, step, batches
+
+
+def _fused_equals_unfused(device, recipe):
+    ref_model, ref_step, batches = _fp8_steps(device, recipe)
+    ref_losses = torch.stack([ref_step(*b) for b in batches])
+    model, step, _ = _fp8_steps(device, recipe)
+    fused = fusetrain.fuse_steps(step, batches[0], steps_per_execution=4)
+    losses = torch.cat([fused(batches[i:i + 4]) for i in range(0, 16, 4)])
+    assert torch.equal(losses, ref_losses)
+    for (name, a), b in zip(model.state_dict().items(), ref_model.state_dict().values()):
+        assert torch.equal(a, b), name  # weights and the float8 scaling state
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_fuse_steps_with_float8_equals_unfused_steps(recipe):
+    _fused_equals_unfused("cpu", recipe)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+def test_cuda_graph_of_float8_steps_equals_eager_steps(recipe):
+    if not fp8_cuda_available():
+        pytest.skip("float8 GEMMs need compute capability >= 8.9")
+    _fused_equals_unfused("cuda", recipe)

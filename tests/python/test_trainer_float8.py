@@ -69,6 +69,17 @@ def test_cnn_float8_checkpoint_evaluates_in_float32_and_loads_in_python(tmp_path
     with torch.no_grad():
         logits = model(saved["inputs"])
     torch.testing.assert_close(logits, saved["logits"], rtol=1e-4, atol=1e-4)
+    # Exports are float32: a plain state dict and a TorchScript module of aten ops.
+    ok(run("export", "--checkpoint", ckpt, "--state-dict", tmp_path / "sd.pt",
+           "--torchscript", tmp_path / "ts.pt"))
+    state = load(tmp_path / "sd.pt")
+    assert not any("fp8_" in k for k in state)
+    model.load_state_dict(state)
+    script = torch.jit.load(str(tmp_path / "ts.pt"))
+    graph = str(script.inlined_graph)
+    assert "fusetrain::" not in graph and "_scaled_mm" not in graph
+    with torch.no_grad():
+        torch.testing.assert_close(script(saved["inputs"]), saved["logits"], rtol=1e-4, atol=1e-4)
 
 
 def test_float8_default_threshold_keeps_small_layers_in_bf16(tmp_path):
