@@ -14,9 +14,16 @@
 #include <atomic>
 #include <cmath>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define FUSETRAIN_X86_AVX2 1
+#include <fusetrain/ops/simd_avx2.h>
+#include <fusetrain/ops/simd_avx512.h>
+
+#ifdef FUSETRAIN_SIMD_X86
+#define FUSETRAIN_SIMD_ISA avx2
+#include "unscale_loops.inc"
+#undef FUSETRAIN_SIMD_ISA
+#define FUSETRAIN_SIMD_ISA avx512
+#include "unscale_loops.inc"
+#undef FUSETRAIN_SIMD_ISA
 #endif
 
 namespace fusetrain::ops {
@@ -124,141 +131,18 @@ bool unscale_span(T* x, int64_t n, float inv, bool scale) {
   }
 }
 
-#ifdef FUSETRAIN_X86_AVX2
-// Note [AVX2 unscale]
-// The library is compiled for the x86-64 baseline (SSE2), where ATen's
-// Vectorized<T> is its generic fallback: 16-bit types convert one element at a
-// time, so the pass was compute-bound at a fraction of memory bandwidth. These
-// loops are compiled for AVX2+FMA+F16C only (function target attributes) and
-// chosen at run time when the CPU has them, as ATen's own kernels are.
-// Results equal torch's CPU kernel bit for bit on finite and infinite values:
-// one fp32 multiply, then round-to-nearest-even to the storage type. Non-finite
-// detection reads the stored bits: |x| >= the exponent mask (unsigned max).
-#define FUSETRAIN_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
-
-// See Note [CPU paths] (cpu_features.h): the CPU's best, or the one forced.
-bool cpu_has_avx2() { return cpu_path() >= CpuPath::kAvx2; }
-
-FUSETRAIN_AVX2_TARGET uint32_t hmax_epu32(__m256i v) {
-  alignas(32) uint32_t lanes[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
-  uint32_t m = 0;
-  for (uint32_t l : lanes) m = std::max(m, l);
-  return m;
-}
-
-FUSETRAIN_AVX2_TARGET uint16_t hmax_epu16(__m256i v) {
-  alignas(32) uint16_t lanes[16];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
-  uint16_t m = 0;
-  for (uint16_t l : lanes) m = std::max(m, l);
-  return m;
-}
-
-FUSETRAIN_AVX2_TARGET bool unscale_float_avx2(float* x, int64_t n, float inv, bool scale) {
-  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff);
-  const __m256 vinv = _mm256_set1_ps(inv);
-  __m256i m0 = _mm256_setzero_si256(), m1 = _mm256_setzero_si256();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256 a = _mm256_loadu_ps(x + i);
-    const __m256 b = _mm256_loadu_ps(x + i + 8);
-    m0 = _mm256_max_epu32(m0, _mm256_and_si256(_mm256_castps_si256(a), abs_mask));
-    m1 = _mm256_max_epu32(m1, _mm256_and_si256(_mm256_castps_si256(b), abs_mask));
-    if (scale) {
-      _mm256_storeu_ps(x + i, _mm256_mul_ps(a, vinv));
-      _mm256_storeu_ps(x + i + 8, _mm256_mul_ps(b, vinv));
-    }
-  }
-  bool found = hmax_epu32(_mm256_max_epu32(m0, m1)) >= 0x7f800000u;
-  for (; i < n; ++i) {
-    found |= !std::isfinite(x[i]);
-    if (scale) x[i] = x[i] * inv;
-  }
-  return found;
-}
-
-// fp32 bits -> bf16 bits, round to nearest even, in the low half of each lane.
-// No NaN special case: with a finite inv (the dispatch sees to it) a NaN product
-// is a bf16 input's NaN, quieted, or the default NaN; either has zero low bits,
-// so the rounding add cannot carry it into another value.
-FUSETRAIN_AVX2_TARGET __m256i round_to_bf16(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb),
-                           16);
-}
-
-FUSETRAIN_AVX2_TARGET bool unscale_bfloat16_avx2(c10::BFloat16* x, int64_t n, float inv,
-                                                 bool scale) {
-  auto* p = reinterpret_cast<uint16_t*>(x);
-  const __m256i abs_mask = _mm256_set1_epi16(0x7fff);
-  const __m256i zero = _mm256_setzero_si256();
-  const __m256 vinv = _mm256_set1_ps(inv);
-  __m256i m = zero;
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
-    m = _mm256_max_epu16(m, _mm256_and_si256(h, abs_mask));
-    if (scale) {
-      // Interleaving zeros below each element widens it to fp32 within each
-      // 128-bit lane; packus undoes exactly that order.
-      const __m256 lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, h));
-      const __m256 hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, h));
-      const __m256i out = _mm256_packus_epi32(round_to_bf16(_mm256_mul_ps(lo, vinv)),
-                                              round_to_bf16(_mm256_mul_ps(hi, vinv)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), out);
-    }
-  }
-  bool found = hmax_epu16(m) >= 0x7f80;
-  for (; i < n; ++i) {
-    const float v = static_cast<float>(x[i]);
-    found |= !std::isfinite(v);
-    if (scale) x[i] = static_cast<c10::BFloat16>(v * inv);
-  }
-  return found;
-}
-
-FUSETRAIN_AVX2_TARGET bool unscale_half_avx2(c10::Half* x, int64_t n, float inv, bool scale) {
-  auto* p = reinterpret_cast<uint16_t*>(x);
-  const __m256i abs_mask = _mm256_set1_epi16(0x7fff);
-  const __m256 vinv = _mm256_set1_ps(inv);
-  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  __m256i m = _mm256_setzero_si256();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
-    m = _mm256_max_epu16(m, _mm256_and_si256(h, abs_mask));
-    if (scale) {
-      const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-      const __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-      const __m128i lo16 = _mm256_cvtps_ph(_mm256_mul_ps(lo, vinv), kRound);
-      const __m128i hi16 = _mm256_cvtps_ph(_mm256_mul_ps(hi, vinv), kRound);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + i), _mm256_set_m128i(hi16, lo16));
-    }
-  }
-  bool found = hmax_epu16(m) >= 0x7c00;
-  for (; i < n; ++i) {
-    const float v = static_cast<float>(x[i]);
-    found |= !std::isfinite(v);
-    if (scale) x[i] = static_cast<c10::Half>(v * inv);
-  }
-  return found;
-}
-#undef FUSETRAIN_AVX2_TARGET
-#endif  // FUSETRAIN_X86_AVX2
 
 bool unscale_span_dispatch(const at::Tensor& t, int64_t begin, int64_t end, float inv, bool scale) {
-#ifdef FUSETRAIN_X86_AVX2
-  if (cpu_has_avx2() && std::isfinite(inv)) {
-    switch (t.scalar_type()) {
-      case at::kFloat:
-        return unscale_float_avx2(t.data_ptr<float>() + begin, end - begin, inv, scale);
-      case at::kHalf:
-        return unscale_half_avx2(t.data_ptr<c10::Half>() + begin, end - begin, inv, scale);
-      case at::kBFloat16:
-        return unscale_bfloat16_avx2(t.data_ptr<c10::BFloat16>() + begin, end - begin, inv, scale);
-      default:
+#ifdef FUSETRAIN_SIMD_X86
+  const at::ScalarType dtype = t.scalar_type();
+  if (std::isfinite(inv) && (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16)) {
+    void* x = static_cast<char*>(t.data_ptr()) + begin * t.element_size();
+    switch (cpu_path()) {  // See Note [CPU paths] (cpu_features.h).
+      case CpuPath::kAvx512:
+        return avx512::unscale_span(dtype, x, end - begin, inv, scale);
+      case CpuPath::kAvx2:
+        return avx2::unscale_span(dtype, x, end - begin, inv, scale);
+      case CpuPath::kScalar:
         break;
     }
   }

@@ -5,11 +5,11 @@
 // Note [Cross-entropy CPU vectorization]
 // libfusetrain is compiled for baseline x86-64, where at::vec::Vectorized
 // falls back to scalar loops (torch builds its own kernels once per CPU
-// capability). The row loops here are therefore written with AVX2/FMA/F16C
-// intrinsics in functions carrying a target attribute, chosen at run time
-// where the CPU has AVX2 (cpu_path(), Note [CPU paths]): FUSETRAIN_CPU_PATH
-// (or ATEN_CPU_CAPABILITY=default) forces the portable scalar loops, which is
-// how the tests cover both.
+// capability). The row loops are therefore cross_entropy_loops.inc, compiled
+// for AVX2 and for AVX-512 (Note [SIMD regions]) and chosen at run time
+// (cpu_path(), Note [CPU paths]): FUSETRAIN_CPU_PATH (or
+// ATEN_CPU_CAPABILITY=default) forces a lower path or the portable scalar
+// loops, which is how the tests cover them all.
 #include <fusetrain/ops/checks.h>
 #include <fusetrain/ops/cpu_features.h>
 #include <fusetrain/ops/cross_entropy.h>
@@ -31,13 +31,8 @@
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/accumulate.h>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define FUSETRAIN_CE_HAVE_AVX2 1
-#define FUSETRAIN_AVX2 __attribute__((target("avx2,fma,f16c")))
-#else
-#define FUSETRAIN_CE_HAVE_AVX2 0
-#endif
+#include <fusetrain/ops/simd_avx2.h>
+#include <fusetrain/ops/simd_avx512.h>
 
 namespace fusetrain::ops {
 
@@ -166,200 +161,47 @@ void row_grad_scalar(const T* x, int64_t c, float lse, float scale, float smooth
 
 float exp_scalar(float v) { return std::exp(v); }
 
-// ------------------------------------------------------------ AVX2 rows
+}  // namespace
+}  // namespace fusetrain::ops
 
-#if FUSETRAIN_CE_HAVE_AVX2
+// ------------------------------------------------------------ vector rows
 
-FUSETRAIN_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+#ifdef FUSETRAIN_SIMD_X86
+#define FUSETRAIN_SIMD_ISA avx2
+#include "cross_entropy_loops.inc"
+#undef FUSETRAIN_SIMD_ISA
+#define FUSETRAIN_SIMD_ISA avx512
+#include "cross_entropy_loops.inc"
+#undef FUSETRAIN_SIMD_ISA
+#endif
 
-FUSETRAIN_AVX2 inline __m256 load8(const c10::BFloat16* p) {
-  // bf16 is the top half of an fp32: widen and shift into place.
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+namespace fusetrain::ops {
+namespace {
 
-FUSETRAIN_AVX2 inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-FUSETRAIN_AVX2 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-
-FUSETRAIN_AVX2 inline void store8(c10::BFloat16* p, __m256 v) {
-  // Round to nearest even, NaN to the canonical 0x7fc0: bit for bit what
-  // c10::BFloat16's conversion does.
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
-  r = _mm256_srli_epi32(r, 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-  // packus works per 128-bit lane; the permute gathers the two halves.
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
-}
-
-FUSETRAIN_AVX2 inline void store8(c10::Half* p, __m256 v) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-}
-
-// exp(x) for 8 floats, Cephes' expf: x = n ln2 + r with |r| <= ln2/2 (ln2
-// in two parts, so r is exact), a degree-6 polynomial for e^r, and n added
-// to the result's exponent bits; about 1 ulp. The callers pass x <= 0 (a
-// logit minus its row's maximum), so there is no overflow to guard; below
-// -86 (e^-86 < 5e-38, where the exponent add would leave the normal range)
-// it returns 0, so -inf logits get an exact zero probability. NaN stays NaN.
-FUSETRAIN_AVX2 inline __m256 exp8(__m256 x) {
-  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-86.f), _CMP_LT_OQ);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
-  // y * 2^n: y is in [0.7, 1.5), so adding n to its exponent stays normal
-  // for n >= -124 (x >= -86).
-  const __m256i scaled =
-      _mm256_add_epi32(_mm256_castps_si256(y), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23));
-  return _mm256_andnot_ps(underflow, _mm256_castsi256_ps(scaled));
-}
-
-FUSETRAIN_AVX2 float exp_avx2(float v) { return _mm256_cvtss_f32(exp8(_mm256_set1_ps(v))); }
-
-// Per-lane online log-sum-exp: lane l keeps its running maximum m[l] and
-// s[l] = sum exp(x - m[l]). A chunk of K vectors is summed in fp32 (K terms
-// a lane) and then added to fp64 accumulators: an fp32 running sum over a
-// wide row drops its smallest terms and biases the log-sum-exp low (by
-// ~1e-6 relative at C = 32768). The plain sum of the logits (for label
-// smoothing) is kept the same way. Lanes 0-3 and 4-7 each fill one __m256d.
-struct OnlineLse {
-  __m256 m;
-  __m256d s_lo, s_hi;
-  __m256d sum_lo, sum_hi;
+// The row loops of one path (Note [CPU paths]).
+template <typename T>
+struct RowLoops {
+  void (*stats)(const T*, int64_t, double*, double*);      // without the sum of logits
+  void (*stats_sum)(const T*, int64_t, double*, double*);  // with it
+  void (*grad)(const T*, int64_t, float, float, float, T*);
+  float (*exp)(float);
 };
 
-FUSETRAIN_AVX2 inline void add_wide(__m256d& lo, __m256d& hi, __m256 v) {
-  lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
-  hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
-}
-
-template <int K>
-FUSETRAIN_AVX2 inline __m256 chunk_sum(const __m256* v) {
-  __m256 sum = v[0];
-#pragma GCC unroll 8
-  for (int k = 1; k < K; ++k) sum = _mm256_add_ps(sum, v[k]);
-  return sum;
-}
-
-template <int K>
-FUSETRAIN_AVX2 inline void online_update(OnlineLse& acc, const __m256* v) {
-  __m256 cm = v[0];
-#pragma GCC unroll 8
-  for (int k = 1; k < K; ++k) cm = _mm256_max_ps(cm, v[k]);
-  const __m256 nm = _mm256_max_ps(acc.m, cm);
-  // Lanes whose maximum did not move keep their sum; this also covers lanes
-  // that have seen only -inf so far (-inf - -inf is NaN). Past the first
-  // chunks of a row the maximum rarely moves, so the rescale is a branch.
-  const __m256 same = _mm256_cmp_ps(acc.m, nm, _CMP_EQ_OQ);
-  if (_mm256_movemask_ps(same) != 0xff) {
-    const __m256 factor =
-        _mm256_blendv_ps(exp8(_mm256_sub_ps(acc.m, nm)), _mm256_set1_ps(1.f), same);
-    acc.s_lo = _mm256_mul_pd(acc.s_lo, _mm256_cvtps_pd(_mm256_castps256_ps128(factor)));
-    acc.s_hi = _mm256_mul_pd(acc.s_hi, _mm256_cvtps_pd(_mm256_extractf128_ps(factor, 1)));
-    acc.m = nm;
-  }
-  // Subtracting 0 instead of a -inf maximum makes exp(-inf - 0) = 0.
-  const __m256 shift = _mm256_blendv_ps(nm, _mm256_setzero_ps(),
-                                        _mm256_cmp_ps(nm, _mm256_set1_ps(kNegInf), _CMP_EQ_OQ));
-  __m256 e = exp8(_mm256_sub_ps(v[0], shift));
-#pragma GCC unroll 8
-  for (int k = 1; k < K; ++k) e = _mm256_add_ps(e, exp8(_mm256_sub_ps(v[k], shift)));
-  add_wide(acc.s_lo, acc.s_hi, e);
-}
-
-// kSum: also sum the logits (label smoothing needs their mean).
-template <bool kSum, typename T>
-FUSETRAIN_AVX2 void row_stats_avx2(const T* x, int64_t c, double* lse, double* sum_x) {
-  constexpr int kChunk = 4;  // vectors per online step
-  OnlineLse acc{_mm256_set1_ps(kNegInf), _mm256_setzero_pd(), _mm256_setzero_pd(),
-                _mm256_setzero_pd(), _mm256_setzero_pd()};
-  int64_t j = 0;
-  for (; j + 8 * kChunk <= c; j += 8 * kChunk) {
-    __m256 v[kChunk];
-#pragma GCC unroll 8
-    for (int k = 0; k < kChunk; ++k) v[k] = load8(x + j + 8 * k);
-    online_update<kChunk>(acc, v);
-    if constexpr (kSum) add_wide(acc.sum_lo, acc.sum_hi, chunk_sum<kChunk>(v));
-  }
-  for (; j + 8 <= c; j += 8) {
-    const __m256 v = load8(x + j);
-    online_update<1>(acc, &v);
-    if constexpr (kSum) add_wide(acc.sum_lo, acc.sum_hi, v);
-  }
-  double sum = 0.0;
-  if (j < c) {
-    // The tail, padded with -inf: no weight in the log-sum-exp.
-    alignas(32) float buf[8];
-    for (int k = 0; k < 8; ++k) buf[k] = kNegInf;
-    for (int64_t k = 0; j + k < c; ++k) {
-      buf[k] = static_cast<float>(x[j + k]);
-      sum += buf[k];
-    }
-    const __m256 v = _mm256_load_ps(buf);
-    online_update<1>(acc, &v);
-  }
-  alignas(32) float m[8];
-  alignas(32) double s[8];
-  alignas(32) double sums[8];
-  _mm256_store_ps(m, acc.m);
-  _mm256_store_pd(s, acc.s_lo);
-  _mm256_store_pd(s + 4, acc.s_hi);
-  _mm256_store_pd(sums, acc.sum_lo);
-  _mm256_store_pd(sums + 4, acc.sum_hi);
-  float mx = kNegInf;
-  for (float v : m) mx = std::max(mx, v);
-  double total = 0.0;
-  for (int k = 0; k < 8; ++k) {
-    total += m[k] == mx ? s[k] : s[k] * std::exp(static_cast<double>(m[k]) - mx);
-    sum += sums[k];
-  }
-  *lse = (mx == kNegInf ? 0.0 : mx) + std::log(total);
-  *sum_x = sum;
-}
-
 template <typename T>
-FUSETRAIN_AVX2 void row_grad_avx2(const T* x, int64_t c, float lse, float scale, float smooth,
-                                  T* out) {
-  const __m256 vlse = _mm256_set1_ps(lse);
-  const __m256 vscale = _mm256_set1_ps(scale);
-  const __m256 vsmooth = _mm256_set1_ps(smooth);
-  int64_t j = 0;
-  for (; j + 8 <= c; j += 8) {
-    const __m256 p = exp8(_mm256_sub_ps(load8(x + j), vlse));
-    store8(out + j, _mm256_mul_ps(_mm256_sub_ps(p, vsmooth), vscale));
+RowLoops<T> row_loops() {
+#ifdef FUSETRAIN_SIMD_X86
+  switch (cpu_path()) {
+    case CpuPath::kAvx512:
+      return {&avx512::row_stats<false, T>, &avx512::row_stats<true, T>, &avx512::row_grad<T>,
+              &avx512::exp_one};
+    case CpuPath::kAvx2:
+      return {&avx2::row_stats<false, T>, &avx2::row_stats<true, T>, &avx2::row_grad<T>,
+              &avx2::exp_one};
+    case CpuPath::kScalar:
+      break;
   }
-  if (j < c) {
-    alignas(32) float buf[8] = {};
-    for (int64_t k = 0; j + k < c; ++k) buf[k] = static_cast<float>(x[j + k]);
-    const __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(buf), vlse));
-    _mm256_store_ps(buf, _mm256_mul_ps(_mm256_sub_ps(p, vsmooth), vscale));
-    for (int64_t k = 0; j + k < c; ++k) out[j + k] = static_cast<T>(buf[k]);
-  }
-}
-
-#endif  // FUSETRAIN_CE_HAVE_AVX2
-
-// See Note [Cross-entropy CPU vectorization] and Note [CPU paths].
-bool use_avx2() {
-#if FUSETRAIN_CE_HAVE_AVX2
-  return cpu_path() >= CpuPath::kAvx2;
-#else
-  return false;
 #endif
+  return {&row_stats_scalar<T>, &row_stats_scalar<T>, &row_grad_scalar<T>, &exp_scalar};
 }
 
 // A target that is neither a class index nor ignore_index would index out of
@@ -377,7 +219,7 @@ void check_targets_cpu(const int64_t* target, int64_t n, int64_t c, int64_t igno
 template <typename T>
 void forward_rows(const T* x, int64_t row_stride, const int64_t* target, int64_t n, int64_t c,
                   int64_t ignore_index, double label_smoothing, float* loss, float* lse) {
-  [[maybe_unused]] const bool avx2 = use_avx2();
+  const RowLoops<T> loops = row_loops<T>();
   const double ls = label_smoothing;
   const int64_t grain = std::max<int64_t>(1, kCpuGrain / std::max<int64_t>(c, 1));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
@@ -385,17 +227,7 @@ void forward_rows(const T* x, int64_t row_stride, const int64_t* target, int64_t
       const T* row = x + i * row_stride;
       double row_lse = 0.0;
       double sum_x = 0.0;
-#if FUSETRAIN_CE_HAVE_AVX2
-      if (avx2 && ls != 0.0) {
-        row_stats_avx2<true>(row, c, &row_lse, &sum_x);
-      } else if (avx2) {
-        row_stats_avx2<false>(row, c, &row_lse, &sum_x);
-      } else {
-        row_stats_scalar(row, c, &row_lse, &sum_x);
-      }
-#else
-      row_stats_scalar(row, c, &row_lse, &sum_x);
-#endif
+      (ls != 0.0 ? loops.stats_sum : loops.stats)(row, c, &row_lse, &sum_x);
       lse[i] = static_cast<float>(row_lse);
       const int64_t t = target[i];
       if (t == ignore_index) {
@@ -415,7 +247,7 @@ template <typename T>
 void backward_rows(const T* x, int64_t row_stride, const int64_t* target, const float* lse,
                    const float* grad_loss, bool per_row_grad, float grad_divisor, int64_t n,
                    int64_t c, int64_t ignore_index, double label_smoothing, T* out) {
-  [[maybe_unused]] const bool avx2 = use_avx2();
+  const RowLoops<T> loops = row_loops<T>();
   const float ls = static_cast<float>(label_smoothing);
   const float smooth = ls / static_cast<float>(c);
   const int64_t grain = std::max<int64_t>(1, kCpuGrain / std::max<int64_t>(c, 1));
@@ -429,18 +261,9 @@ void backward_rows(const T* x, int64_t row_stride, const int64_t* target, const 
       }
       const T* row = x + i * row_stride;
       const float scale = (per_row_grad ? grad_loss[i] : grad_loss[0]) / grad_divisor;
-#if FUSETRAIN_CE_HAVE_AVX2
-      if (avx2) {
-        row_grad_avx2(row, c, lse[i], scale, smooth, g);
-      } else {
-        row_grad_scalar(row, c, lse[i], scale, smooth, g);
-      }
+      loops.grad(row, c, lse[i], scale, smooth, g);
       // The target's entry again, with its one-hot term and the same exp.
-      const float p_t = (avx2 ? exp_avx2 : exp_scalar)(static_cast<float>(row[t]) - lse[i]);
-#else
-      row_grad_scalar(row, c, lse[i], scale, smooth, g);
-      const float p_t = exp_scalar(static_cast<float>(row[t]) - lse[i]);
-#endif
+      const float p_t = loops.exp(static_cast<float>(row[t]) - lse[i]);
       g[t] = static_cast<T>((p_t - smooth - (1.f - ls)) * scale);
     }
   });

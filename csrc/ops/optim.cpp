@@ -20,10 +20,8 @@
 #include <unordered_map>
 #include <vector>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define FUSETRAIN_X86_AVX2 1
-#endif
+#include <fusetrain/ops/simd_avx2.h>
+#include <fusetrain/ops/simd_avx512.h>
 
 namespace fusetrain::ops {
 
@@ -224,202 +222,17 @@ void adam_span(P* __restrict p, P* __restrict g, S* __restrict m, S* __restrict 
   }
 }
 
-#ifdef FUSETRAIN_X86_AVX2
-// Note [AVX2 Adam]
-// The library is compiled for the x86-64 baseline (SSE2), and adam_span does
-// not vectorise even there: std::sqrt may set errno, which keeps GCC from
-// vectorising the loop at all. So the loop was compute-bound (scalar sqrt and
-// divide, ~13 cycles an element) at a fraction of memory bandwidth. This path
-// is compiled for AVX2+FMA+F16C only (function target attributes, as
-// Note [AVX2 unscale]) and chosen at run time when the CPU has them. It covers
-// fp32, bf16 and fp16 params, with or without fp32 masters; float64 stays on
-// adam_span. The arithmetic is adam_span's, in the same order, except that the
-// compiler fuses some multiply-adds into FMAs, so results can differ from
-// adam_span by an ulp (as torch's AVX2 kernels differ from its scalar ones).
-// A ragged tail goes through the same 8-lane body on a padded copy: every
-// element sees the same arithmetic, whatever the chunking or thread count.
-#define FUSETRAIN_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
-
-// See Note [CPU paths] (cpu_features.h): the CPU's best, or the one forced.
-bool cpu_has_avx2() { return cpu_path() >= CpuPath::kAvx2; }
-
-// 8 elements of P to fp32 lanes and back (round to nearest even, as c10's
-// conversions; a NaN becomes c10's 0x7fc0 for bf16).
-template <typename P>
-struct Lanes;
-
-template <>
-struct Lanes<float> {
-  FUSETRAIN_AVX2_TARGET static __m256 load(const float* x) { return _mm256_loadu_ps(x); }
-  FUSETRAIN_AVX2_TARGET static void store(float* x, __m256 v) { _mm256_storeu_ps(x, v); }
-};
-
-template <>
-struct Lanes<c10::BFloat16> {
-  FUSETRAIN_AVX2_TARGET static __m256 load(const c10::BFloat16* x) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  }
-  FUSETRAIN_AVX2_TARGET static void store(c10::BFloat16* x, __m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(
-        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
-    const __m128i packed =
-        _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(x), packed);
-  }
-};
-
-template <>
-struct Lanes<c10::Half> {
-  FUSETRAIN_AVX2_TARGET static __m256 load(const c10::Half* x) {
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
-  }
-  FUSETRAIN_AVX2_TARGET static void store(c10::Half* x, __m256 v) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(x),
-                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
-};
-
-// adam_span's scalars as fp32. grad_sign is maximize's sign (a multiply by
-// -1 or 1, exact); decay is 1 and l2 unused unless their mode is on.
+// adam_span's scalars as fp32 for the vector loops (Note [Vector Adam],
+// optim_loops.inc). grad_sign is maximize's sign (a multiply by -1 or 1,
+// exact); decay is 1 and l2 unused unless their mode is on.
 struct AdamLaneScalars {
-  float grad_scale, grad_sign, decay, l2, beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, bc2_sqrt,
-      eps;
+  float grad_scale, grad_sign, decay, l2, beta1, beta2, one_minus_beta1, one_minus_beta2, step_size,
+      bc2_sqrt, eps;
 };
 
-// The same, broadcast to 8 lanes (built inside the AVX2 functions only).
-struct AdamLanes {
-  __m256 grad_scale, grad_sign, decay, l2, beta1, beta2, one_minus_beta1, one_minus_beta2, step_size, bc2_sqrt,
-      eps;
-};
-
-template <typename P, typename S, bool kMaster, bool kAmsgrad, bool kL2, bool kUnscale>
-FUSETRAIN_AVX2_TARGET inline void adam8(P* p, P* g, S* m, S* v, S* vmax, float* master,
-                                        const AdamLanes& c) {
-  __m256 grad = Lanes<P>::load(g);
-  if constexpr (kUnscale) {
-    grad = _mm256_div_ps(grad, c.grad_scale);
-    Lanes<P>::store(g, grad);
-  }
-  grad = _mm256_mul_ps(grad, c.grad_sign);
-  __m256 param = kMaster ? _mm256_loadu_ps(master) : Lanes<P>::load(p);
-  if constexpr (kL2) {
-    grad = _mm256_add_ps(grad, _mm256_mul_ps(c.l2, param));
-  } else {
-    param = _mm256_mul_ps(param, c.decay);
-  }
-  const __m256 mi = _mm256_add_ps(_mm256_mul_ps(c.beta1, Lanes<S>::load(m)),
-                                  _mm256_mul_ps(c.one_minus_beta1, grad));
-  const __m256 vi = _mm256_add_ps(_mm256_mul_ps(c.beta2, Lanes<S>::load(v)),
-                                  _mm256_mul_ps(_mm256_mul_ps(c.one_minus_beta2, grad), grad));
-  Lanes<S>::store(m, mi);
-  Lanes<S>::store(v, vi);
-  __m256 second = vi;
-  if constexpr (kAmsgrad) {
-    second = _mm256_max_ps(vi, Lanes<S>::load(vmax));  // std::max(vmax, vi), NaNs included
-    Lanes<S>::store(vmax, second);
-  }
-  const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(second), c.bc2_sqrt), c.eps);
-  param = _mm256_sub_ps(param, _mm256_div_ps(_mm256_mul_ps(c.step_size, mi), denom));
-  if constexpr (kMaster) _mm256_storeu_ps(master, param);
-  Lanes<P>::store(p, param);
-}
-
-template <typename P, typename S, bool kMaster, bool kAmsgrad, bool kL2, bool kUnscale>
-FUSETRAIN_AVX2_TARGET void adam_span_avx2(P* p, P* g, S* m, S* v, S* vmax, float* master,
-                                          int64_t n, const AdamLaneScalars& s) {
-  AdamLanes c;
-  c.grad_scale = _mm256_set1_ps(s.grad_scale);
-  c.grad_sign = _mm256_set1_ps(s.grad_sign);
-  c.decay = _mm256_set1_ps(s.decay);
-  c.l2 = _mm256_set1_ps(s.l2);
-  c.beta1 = _mm256_set1_ps(s.beta1);
-  c.beta2 = _mm256_set1_ps(s.beta2);
-  c.one_minus_beta1 = _mm256_set1_ps(s.one_minus_beta1);
-  c.one_minus_beta2 = _mm256_set1_ps(s.one_minus_beta2);
-  c.step_size = _mm256_set1_ps(s.step_size);
-  c.bc2_sqrt = _mm256_set1_ps(s.bc2_sqrt);
-  c.eps = _mm256_set1_ps(s.eps);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    adam8<P, S, kMaster, kAmsgrad, kL2, kUnscale>(p + i, g + i, m + i, v + i,
-                                                  kAmsgrad ? vmax + i : nullptr,
-                                                  kMaster ? master + i : nullptr, c);
-  }
-  const int64_t r = n - i;
-  if (r == 0) return;
-  // The tail, padded with zeros (a zero moment and gradient stay finite).
-  P tp[8] = {}, tg[8] = {};
-  S tm[8] = {}, tv[8] = {}, tx[8] = {};
-  float tmaster[8] = {};
-  for (int64_t k = 0; k < r; ++k) {
-    tp[k] = p[i + k];
-    tg[k] = g[i + k];
-    tm[k] = m[i + k];
-    tv[k] = v[i + k];
-    if (kAmsgrad) tx[k] = vmax[i + k];
-    if (kMaster) tmaster[k] = master[i + k];
-  }
-  adam8<P, S, kMaster, kAmsgrad, kL2, kUnscale>(tp, tg, tm, tv, tx, tmaster, c);
-  for (int64_t k = 0; k < r; ++k) {
-    p[i + k] = tp[k];
-    if (kUnscale) g[i + k] = tg[k];
-    m[i + k] = tm[k];
-    v[i + k] = tv[k];
-    if (kAmsgrad) vmax[i + k] = tx[k];
-    if (kMaster) master[i + k] = tmaster[k];
-  }
-}
-
-// Type-erased entry: params and grads of P, moments of S (byte pointers to
-// the chunk's first element).
-using AdamAvx2Fn = void (*)(void*, void*, void*, void*, void*, float*, int64_t,
-                            const AdamLaneScalars&);
-
-template <typename P, typename S, bool kMaster, bool kAmsgrad, bool kL2, bool kUnscale>
-void adam_span_avx2_erased(void* p, void* g, void* m, void* v, void* vmax, float* master,
-                           int64_t n, const AdamLaneScalars& s) {
-  adam_span_avx2<P, S, kMaster, kAmsgrad, kL2, kUnscale>(
-      static_cast<P*>(p), static_cast<P*>(g), static_cast<S*>(m), static_cast<S*>(v),
-      static_cast<S*>(vmax), master, n, s);
-}
-
-template <typename P, typename S, bool kMaster, bool kAmsgrad, bool kL2>
-AdamAvx2Fn pick_adam_avx2_unscale(bool unscale) {
-  return unscale ? &adam_span_avx2_erased<P, S, kMaster, kAmsgrad, kL2, true>
-                 : &adam_span_avx2_erased<P, S, kMaster, kAmsgrad, kL2, false>;
-}
-
-template <typename P, typename S, bool kMaster>
-AdamAvx2Fn pick_adam_avx2(bool amsgrad, bool l2, bool unscale) {
-  if (amsgrad) {
-    return l2 ? pick_adam_avx2_unscale<P, S, kMaster, true, true>(unscale)
-              : pick_adam_avx2_unscale<P, S, kMaster, true, false>(unscale);
-  }
-  return l2 ? pick_adam_avx2_unscale<P, S, kMaster, false, true>(unscale)
-            : pick_adam_avx2_unscale<P, S, kMaster, false, false>(unscale);
-}
-
-/// The AVX2 loop for these params, or null where adam_span must run.
-AdamAvx2Fn adam_avx2_for(at::ScalarType param, bool master, bool amsgrad, bool l2, bool unscale) {
-  if (!cpu_has_avx2()) return nullptr;
-  switch (param) {
-    case at::kFloat:
-      return pick_adam_avx2<float, float, false>(amsgrad, l2, unscale);
-    case at::kBFloat16:
-      return master ? pick_adam_avx2<c10::BFloat16, float, true>(amsgrad, l2, unscale)
-                    : pick_adam_avx2<c10::BFloat16, c10::BFloat16, false>(amsgrad, l2, unscale);
-    case at::kHalf:
-      return master ? pick_adam_avx2<c10::Half, float, true>(amsgrad, l2, unscale)
-                    : pick_adam_avx2<c10::Half, c10::Half, false>(amsgrad, l2, unscale);
-    default:
-      return nullptr;
-  }
-}
+// A vector loop over one chunk: params and grads of P, moments of S (byte
+// pointers to the chunk's first element).
+using AdamFn = void (*)(void*, void*, void*, void*, void*, float*, int64_t, const AdamLaneScalars&);
 
 AdamLaneScalars adam_lane_scalars(const AdamHyper& h, const AdamTensorConsts& c,
                                   float grad_scale) {
@@ -439,8 +252,78 @@ AdamLaneScalars adam_lane_scalars(const AdamHyper& h, const AdamTensorConsts& c,
   s.eps = static_cast<float>(h.eps);
   return s;
 }
-#undef FUSETRAIN_AVX2_TARGET
-#endif  // FUSETRAIN_X86_AVX2
+
+// sgd_span's scalars as fp32 for the vector loops (Note [Vector SGD]).
+struct SgdLaneScalars {
+  float grad_scale, grad_sign;  // as AdamLaneScalars
+  float weight_decay, momentum, keep, lr;
+};
+
+// A vector loop over one chunk; buf null without momentum.
+using SgdFn = void (*)(void*, void*, void*, float*, int64_t, const SgdLaneScalars&);
+
+}  // namespace
+}  // namespace fusetrain::ops
+
+#ifdef FUSETRAIN_SIMD_X86
+#define FUSETRAIN_SIMD_ISA avx2
+#include "optim_loops.inc"
+#undef FUSETRAIN_SIMD_ISA
+#define FUSETRAIN_SIMD_ISA avx512
+#include "optim_loops.inc"
+#undef FUSETRAIN_SIMD_ISA
+#endif
+
+namespace fusetrain::ops {
+namespace {
+
+// See Note [CPU paths] (cpu_features.h): the CPU's best, or the one forced.
+AdamFn adam_fn_for(at::ScalarType param, bool master, bool amsgrad, bool l2, bool unscale) {
+#ifdef FUSETRAIN_SIMD_X86
+  switch (cpu_path()) {
+    case CpuPath::kAvx512:
+      return avx512::adam_fn(param, master, amsgrad, l2, unscale);
+    case CpuPath::kAvx2:
+      return avx2::adam_fn(param, master, amsgrad, l2, unscale);
+    case CpuPath::kScalar:
+      break;
+  }
+#endif
+  return nullptr;
+}
+
+SgdFn sgd_fn_for(at::ScalarType param, bool master, bool unscale, bool decay, bool has_buf,
+                 bool first, bool nesterov) {
+#ifdef FUSETRAIN_SIMD_X86
+  switch (cpu_path()) {
+    case CpuPath::kAvx512:
+      return avx512::sgd_fn(param, master, unscale, decay, has_buf, first, nesterov);
+    case CpuPath::kAvx2:
+      return avx2::sgd_fn(param, master, unscale, decay, has_buf, first, nesterov);
+    case CpuPath::kScalar:
+      break;
+  }
+#endif
+  return nullptr;
+}
+
+// The vector sum of squares of a float, half or bfloat16 span, or -1 where
+// the scalar loop must run.
+double vector_sum_squares(at::ScalarType dtype, const void* x, int64_t n) {
+#ifdef FUSETRAIN_SIMD_X86
+  if (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16) {
+    switch (cpu_path()) {
+      case CpuPath::kAvx512:
+        return avx512::sum_squares(dtype, x, n);
+      case CpuPath::kAvx2:
+        return avx2::sum_squares(dtype, x, n);
+      case CpuPath::kScalar:
+        break;
+    }
+  }
+#endif
+  return -1.0;
+}
 
 void fused_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                      at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
@@ -467,9 +350,8 @@ void fused_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList
   const bool unscale = grad_scale.has_value() && grad_scale->defined();
   const bool master = !master_params.empty();
   const std::vector<Chunk> chunks = make_chunks(params);
-#ifdef FUSETRAIN_X86_AVX2
   const bool l2 = !decoupled_weight_decay && weight_decay != 0;
-  if (const AdamAvx2Fn fn = adam_avx2_for(params[0].scalar_type(), master, amsgrad, l2, unscale)) {
+  if (const AdamFn fn = adam_fn_for(params[0].scalar_type(), master, amsgrad, l2, unscale)) {
     std::vector<AdamLaneScalars> lanes;
     lanes.reserve(params.size());
     for (size_t i = 0; i < params.size(); ++i) lanes.push_back(adam_lane_scalars(h, consts[i], scale));
@@ -490,7 +372,6 @@ void fused_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList
     });
     return;
   }
-#endif
   dispatch_param_state(params[0].scalar_type(), master, kAdamOp, [&](auto ptag, auto stag) {
     using P = decltype(ptag);
     using S = decltype(stag);
@@ -537,192 +418,6 @@ void sgd_span(P* __restrict p, P* __restrict g, S* __restrict buf, float* __rest
   }
 }
 
-#ifdef FUSETRAIN_X86_AVX2
-// Note [AVX2 SGD]
-// sgd_span has no sqrt to stop GCC, but its per-element branches on the
-// options and, for 16-bit types, c10's scalar conversions keep it scalar: it
-// ran at 0.4x (fp32) and 0.1x (bf16) torch's fused CPU SGD. As Note [AVX2
-// Adam]: the same arithmetic in the same order in 8 fp32 lanes (multiply-adds
-// may fuse, an ulp apart from sgd_span), chosen at run time, one loop per
-// combination of the options, a ragged tail through the same body on a
-// padded copy. Measured (bench_optim, 1 thread, 10M params): fp32 0.92-0.98x
-// torch's fused SGD (both at memory speed), bf16 about 0.8x (the rounding
-// conversions cost; torch's are similar, its loop tighter).
-#define FUSETRAIN_AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
-
-struct SgdLaneScalars {
-  float grad_scale, grad_sign;  // as AdamLaneScalars
-  float weight_decay, momentum, keep, lr;
-  bool first, nesterov;
-};
-
-// The scalars broadcast to 8 lanes (built inside the AVX2 functions only).
-struct SgdLanes {
-  __m256 grad_scale, grad_sign, weight_decay, momentum, keep, lr;
-};
-
-// One 8-element step; `buf` null without momentum. The options are template
-// arguments: as run-time values read through references the compiler must
-// reload them after every store (a float store may alias a float field).
-template <typename P, typename S, bool kMaster, bool kUnscale, bool kDecay, bool kBuf, bool kFirst,
-          bool kNesterov>
-FUSETRAIN_AVX2_TARGET inline void sgd8(P* p, P* g, S* buf, float* master, const SgdLanes& c) {
-  __m256 grad = Lanes<P>::load(g);
-  if constexpr (kUnscale) {
-    grad = _mm256_div_ps(grad, c.grad_scale);
-    Lanes<P>::store(g, grad);
-  }
-  grad = _mm256_mul_ps(grad, c.grad_sign);
-  __m256 param = kMaster ? _mm256_loadu_ps(master) : Lanes<P>::load(p);
-  if constexpr (kDecay) grad = _mm256_add_ps(grad, _mm256_mul_ps(c.weight_decay, param));
-  if constexpr (kBuf) {
-    __m256 b = grad;
-    if constexpr (!kFirst) {
-      b = _mm256_add_ps(_mm256_mul_ps(c.momentum, Lanes<S>::load(buf)), _mm256_mul_ps(c.keep, grad));
-    }
-    Lanes<S>::store(buf, b);
-    grad = kNesterov ? _mm256_add_ps(grad, _mm256_mul_ps(c.momentum, b)) : b;
-  }
-  param = _mm256_sub_ps(param, _mm256_mul_ps(c.lr, grad));
-  if constexpr (kMaster) _mm256_storeu_ps(master, param);
-  Lanes<P>::store(p, param);
-}
-
-template <typename P, typename S, bool kMaster, bool kUnscale, bool kDecay, bool kBuf, bool kFirst,
-          bool kNesterov>
-FUSETRAIN_AVX2_TARGET void sgd_loop(P* p, P* g, S* buf, float* master, int64_t n,
-                                    const SgdLanes& c) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    sgd8<P, S, kMaster, kUnscale, kDecay, kBuf, kFirst, kNesterov>(
-        p + i, g + i, kBuf ? buf + i : nullptr, kMaster ? master + i : nullptr, c);
-  }
-  const int64_t r = n - i;
-  if (r == 0) return;
-  // The tail, padded with zeros; a first step never reads the buffer.
-  P tp[8] = {}, tg[8] = {};
-  S tb[8] = {};
-  float tmaster[8] = {};
-  for (int64_t k = 0; k < r; ++k) {
-    tp[k] = p[i + k];
-    tg[k] = g[i + k];
-    if (kBuf && !kFirst) tb[k] = buf[i + k];
-    if (kMaster) tmaster[k] = master[i + k];
-  }
-  sgd8<P, S, kMaster, kUnscale, kDecay, kBuf, kFirst, kNesterov>(tp, tg, tb, tmaster, c);
-  for (int64_t k = 0; k < r; ++k) {
-    p[i + k] = tp[k];
-    if (kUnscale) g[i + k] = tg[k];
-    if (kBuf) buf[i + k] = tb[k];
-    if (kMaster) master[i + k] = tmaster[k];
-  }
-}
-
-// sgd_loop with momentum, its three options turned into template arguments.
-template <typename P, typename S, bool kMaster, bool kUnscale, bool... kFixed>
-FUSETRAIN_AVX2_TARGET void with_momentum(bool decay, bool first, bool nesterov, P* p, P* g, S* buf,
-                                         float* master, int64_t n, const SgdLanes& c) {
-  if constexpr (sizeof...(kFixed) == 0) {
-    return decay ? with_momentum<P, S, kMaster, kUnscale, true>(decay, first, nesterov, p, g, buf,
-                                                                master, n, c)
-                 : with_momentum<P, S, kMaster, kUnscale, false>(decay, first, nesterov, p, g, buf,
-                                                                 master, n, c);
-  } else if constexpr (sizeof...(kFixed) == 1) {
-    return first ? with_momentum<P, S, kMaster, kUnscale, kFixed..., true>(decay, first, nesterov,
-                                                                           p, g, buf, master, n, c)
-                 : with_momentum<P, S, kMaster, kUnscale, kFixed..., false>(decay, first, nesterov,
-                                                                            p, g, buf, master, n, c);
-  } else {
-    constexpr bool kFlags[] = {kFixed...};
-    return nesterov ? sgd_loop<P, S, kMaster, kUnscale, kFlags[0], true, kFlags[1], true>(
-                          p, g, buf, master, n, c)
-                    : sgd_loop<P, S, kMaster, kUnscale, kFlags[0], true, kFlags[1], false>(
-                          p, g, buf, master, n, c);
-  }
-}
-
-template <typename P, typename S, bool kMaster, bool kUnscale>
-FUSETRAIN_AVX2_TARGET void sgd_span_avx2(P* p, P* g, S* buf, float* master, int64_t n,
-                                         const SgdLaneScalars& s) {
-  SgdLanes c;
-  c.grad_scale = _mm256_set1_ps(s.grad_scale);
-  c.grad_sign = _mm256_set1_ps(s.grad_sign);
-  c.weight_decay = _mm256_set1_ps(s.weight_decay);
-  c.momentum = _mm256_set1_ps(s.momentum);
-  c.keep = _mm256_set1_ps(s.keep);
-  c.lr = _mm256_set1_ps(s.lr);
-  // Each combination of the options gets its own loop.
-  const bool decay = s.weight_decay != 0.f;
-  if (buf == nullptr) {
-    return decay
-               ? sgd_loop<P, S, kMaster, kUnscale, true, false, false, false>(p, g, buf, master, n, c)
-               : sgd_loop<P, S, kMaster, kUnscale, false, false, false, false>(p, g, buf, master, n,
-                                                                                c);
-  }
-  return with_momentum<P, S, kMaster, kUnscale>(decay, s.first, s.nesterov, p, g, buf, master, n,
-                                                c);
-}
-
-using SgdAvx2Fn = void (*)(void*, void*, void*, float*, int64_t, const SgdLaneScalars&);
-
-template <typename P, typename S, bool kMaster, bool kUnscale>
-void sgd_span_avx2_erased(void* p, void* g, void* buf, float* master, int64_t n,
-                          const SgdLaneScalars& s) {
-  sgd_span_avx2<P, S, kMaster, kUnscale>(static_cast<P*>(p), static_cast<P*>(g),
-                                         static_cast<S*>(buf), master, n, s);
-}
-
-template <typename P, typename S, bool kMaster>
-SgdAvx2Fn pick_sgd_avx2(bool unscale) {
-  return unscale ? &sgd_span_avx2_erased<P, S, kMaster, true>
-                 : &sgd_span_avx2_erased<P, S, kMaster, false>;
-}
-
-/// The AVX2 loop for these params, or null where sgd_span must run.
-SgdAvx2Fn sgd_avx2_for(at::ScalarType param, bool master, bool unscale) {
-  if (!cpu_has_avx2()) return nullptr;
-  switch (param) {
-    case at::kFloat:
-      return pick_sgd_avx2<float, float, false>(unscale);
-    case at::kBFloat16:
-      return master ? pick_sgd_avx2<c10::BFloat16, float, true>(unscale)
-                    : pick_sgd_avx2<c10::BFloat16, c10::BFloat16, false>(unscale);
-    case at::kHalf:
-      return master ? pick_sgd_avx2<c10::Half, float, true>(unscale)
-                    : pick_sgd_avx2<c10::Half, c10::Half, false>(unscale);
-    default:
-      return nullptr;
-  }
-}
-
-// sum_squares in 4 fp64 lanes x 4 accumulators (fp64 products and sums, as
-// sum_squares; only the order of the additions differs, fixed for any chunking).
-template <typename T>
-FUSETRAIN_AVX2_TARGET double sum_squares_avx2(const T* x, int64_t n) {
-  __m256d acc[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(),
-                    _mm256_setzero_pd()};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256 v[2] = {Lanes<T>::load(x + i), Lanes<T>::load(x + i + 8)};
-    for (int h = 0; h < 2; ++h) {
-      const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v[h]));
-      const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v[h], 1));
-      acc[2 * h] = _mm256_fmadd_pd(lo, lo, acc[2 * h]);
-      acc[2 * h + 1] = _mm256_fmadd_pd(hi, hi, acc[2 * h + 1]);
-    }
-  }
-  double lanes[4];
-  _mm256_storeu_pd(lanes, _mm256_add_pd(_mm256_add_pd(acc[0], acc[1]), _mm256_add_pd(acc[2], acc[3])));
-  double total = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
-  for (; i < n; ++i) {
-    const double v = static_cast<double>(static_cast<float>(x[i]));
-    total += v * v;
-  }
-  return total;
-}
-#undef FUSETRAIN_AVX2_TARGET
-#endif  // FUSETRAIN_X86_AVX2
-
 void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
                    at::TensorList master_params, double lr, double momentum, double dampening,
                    double weight_decay, bool nesterov, bool maximize, bool is_first_step,
@@ -739,8 +434,8 @@ void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList m
   const bool master = !master_params.empty();
   const bool has_buf = !momentum_buffers.empty();
   const std::vector<Chunk> chunks = make_chunks(params);
-#ifdef FUSETRAIN_X86_AVX2
-  if (const SgdAvx2Fn fn = sgd_avx2_for(params[0].scalar_type(), master, unscale)) {
+  if (const SgdFn fn = sgd_fn_for(params[0].scalar_type(), master, unscale, weight_decay != 0,
+                                 has_buf, is_first_step, nesterov)) {
     SgdLaneScalars s;
     s.grad_scale = scale;
     s.grad_sign = maximize ? -1.f : 1.f;
@@ -748,8 +443,6 @@ void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList m
     s.momentum = static_cast<float>(momentum);
     s.keep = static_cast<float>(1.0 - dampening);
     s.lr = static_cast<float>(lr);
-    s.first = is_first_step;
-    s.nesterov = nesterov;
     at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
       for (int64_t k = lo; k < hi; ++k) {
         const Chunk& c = chunks[k];
@@ -765,7 +458,6 @@ void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList m
     });
     return;
   }
-#endif
   dispatch_param_state(params[0].scalar_type(), master, kSgdOp, [&](auto ptag, auto stag) {
     using P = decltype(ptag);
     using S = decltype(stag);
@@ -812,17 +504,15 @@ std::tuple<at::Tensor, at::Tensor> l2norm_cpu(at::TensorList tensors, bool per_t
     for (int64_t k = lo; k < hi; ++k) {
       const Chunk& c = chunks[k];
       const at::Tensor& t = dense[c.tensor];
+      const double vec = vector_sum_squares(
+          t.scalar_type(), static_cast<const char*>(t.const_data_ptr()) + c.begin * t.element_size(),
+          c.end - c.begin);
+      if (vec >= 0.0) {
+        partial[k] = vec;
+        continue;
+      }
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), kNormOp, [&] {
-        const scalar_t* x = t.const_data_ptr<scalar_t>() + c.begin;
-#ifdef FUSETRAIN_X86_AVX2
-        if constexpr (!std::is_same_v<scalar_t, double>) {
-          if (cpu_has_avx2()) {
-            partial[k] = sum_squares_avx2(x, c.end - c.begin);
-            return;
-          }
-        }
-#endif
-        partial[k] = sum_squares(x, c.end - c.begin);
+        partial[k] = sum_squares(t.const_data_ptr<scalar_t>() + c.begin, c.end - c.begin);
       });
     }
   });

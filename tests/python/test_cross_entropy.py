@@ -369,11 +369,19 @@ def test_large_gradients_reuse_only_freed_blocks():
         torch.testing.assert_close(x.grad, ref, rtol=1e-5, atol=1e-7)
 
 
-def test_scalar_cpu_path_matches_vector_path(tmp_path):
-    """ATEN_CPU_CAPABILITY=default selects the portable scalar loops (see
-    Note [Cross-entropy CPU vectorization]); both must agree."""
-    if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
-        pytest.skip("this CPU runs the scalar path in every test already")
+def lower_cpu_paths():
+    f = fusetrain._C.cpu_features()
+    order = ["scalar", "avx2", "avx512"]
+    return order[: order.index(f["path"])]
+
+
+@pytest.mark.parametrize("path", ["scalar", "avx2"])
+def test_lower_cpu_path_matches_the_default_path(tmp_path, path):
+    """FUSETRAIN_CPU_PATH selects a lower path's row loops (the portable scalar
+    ones, or AVX2 on an AVX-512 CPU; Note [Cross-entropy CPU vectorization]):
+    each must agree with the default path's."""
+    if path not in lower_cpu_paths():
+        pytest.skip(f"this CPU's default path is {path} or below it: nothing lower to compare")
     script = textwrap.dedent(
         """
         import sys, torch, fusetrain
@@ -382,18 +390,19 @@ def test_scalar_cpu_path_matches_vector_path(tmp_path):
         from test_cross_entropy import make_case, loss_and_grad
         out = {}
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            for n, c in ((5, 1), (13, 7), (7, 1003)):
+            for n, c in ((5, 1), (13, 7), (7, 1003), (3, 4099)):
                 for ls in (0.0, 0.1):
                     x, t = make_case(n, c, dtype, "some_ignored")
                     out[(str(dtype), n, c, ls)] = loss_and_grad(FF.softmax_cross_entropy, x, t, "none", label_smoothing=ls)
         torch.save(out, sys.argv[1])
         """
     )
-    path = tmp_path / "scalar.pt"
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    out = tmp_path / f"{path}.pt"
+    env = {k: v for k, v in os.environ.items() if k not in ("FUSETRAIN_CPU_PATH", "ATEN_CPU_CAPABILITY")}
+    env["FUSETRAIN_CPU_PATH"] = path
     here = os.path.dirname(os.path.abspath(__file__))
-    subprocess.run([sys.executable, "-c", script, str(path), here], check=True, env=env, timeout=300)
-    scalar = torch.load(path)
+    subprocess.run([sys.executable, "-c", script, str(out), here], check=True, env=env, timeout=300)
+    scalar = torch.load(out)
     for (dtype_name, n, c, ls), (s_loss, s_grad) in scalar.items():
         dtype = getattr(torch, dtype_name.split(".")[1])
         x, t = make_case(n, c, dtype, "some_ignored")

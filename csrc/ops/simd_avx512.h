@@ -1,0 +1,107 @@
+// The AVX-512 (F, BW, VL, DQ) vector interface of Note [SIMD regions]: 16
+// float lanes, the names of simd_avx2.h. Conversions to bf16 round with
+// integer arithmetic, not VCVTNEPS2BF16: that instruction flushes subnormal
+// inputs and outputs to zero, and c10::BFloat16 (so torch) keeps them.
+#pragma once
+
+#include <fusetrain/ops/simd.h>
+
+#ifdef FUSETRAIN_SIMD_X86
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+
+FUSETRAIN_SIMD_BEGIN(avx512)
+namespace fusetrain::ops::simd::avx512 {
+
+constexpr int kLanes = 16;
+
+struct F {
+  __m512 v;
+};
+struct M {
+  __mmask16 k;
+};
+struct D {  // kLanes doubles: lanes 0-7 in lo, 8-15 in hi
+  __m512d lo, hi;
+};
+struct U {
+  __m512i v;
+};
+
+inline F set1(float x) { return {_mm512_set1_ps(x)}; }
+inline F zero() { return {_mm512_setzero_ps()}; }
+
+inline F load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline F load(const c10::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))};
+}
+inline F load(const c10::Half* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
+
+inline void store(float* p, F x) { _mm512_storeu_ps(p, x.v); }
+inline void store(c10::BFloat16* p, F x) {
+  // As simd_avx2.h: round to nearest even, NaN to 0x7fc0; vpmovdw keeps the
+  // lanes in order.
+  const __m512i u = _mm512_castps_si512(x.v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r =
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+inline void store(c10::Half* p, F x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+inline F operator+(F a, F b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline F operator-(F a, F b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline F operator*(F a, F b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline F operator/(F a, F b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline F fmadd(F a, F b, F c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline F fnmadd(F a, F b, F c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }
+inline F sqrt(F a) { return {_mm512_sqrt_ps(a.v)}; }
+inline F max(F a, F b) { return {_mm512_max_ps(a.v, b.v)}; }  // as simd_avx2.h's
+inline F round_even(F a) {
+  return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+}
+inline F ldexp(F a, F n) {
+  const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n.v), 23);
+  return {_mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a.v), e))};
+}
+
+inline M operator<(F a, F b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ)}; }
+inline M operator==(F a, F b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ)}; }
+inline F select(M m, F if_set, F if_clear) { return {_mm512_mask_blend_ps(m.k, if_clear.v, if_set.v)}; }
+inline bool all(M m) { return m.k == 0xffff; }
+
+inline U zero_u() { return {_mm512_setzero_si512()}; }
+inline U max_abs_bits(U acc, F x) {
+  const __m512i bits = _mm512_and_si512(_mm512_castps_si512(x.v), _mm512_set1_epi32(0x7fffffff));
+  return {_mm512_max_epu32(acc.v, bits)};
+}
+inline uint32_t reduce_max(U x) { return _mm512_reduce_max_epu32(x.v); }
+
+inline D zero_d() { return {_mm512_setzero_pd(), _mm512_setzero_pd()}; }
+inline D widen(F x) {
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x.v), 1));
+  return {_mm512_cvtps_pd(_mm512_castps512_ps256(x.v)), _mm512_cvtps_pd(hi)};
+}
+inline D operator+(D a, D b) { return {_mm512_add_pd(a.lo, b.lo), _mm512_add_pd(a.hi, b.hi)}; }
+inline D operator*(D a, D b) { return {_mm512_mul_pd(a.lo, b.lo), _mm512_mul_pd(a.hi, b.hi)}; }
+inline D fmadd(D a, D b, D c) {
+  return {_mm512_fmadd_pd(a.lo, b.lo, c.lo), _mm512_fmadd_pd(a.hi, b.hi, c.hi)};
+}
+
+inline void store(double* lanes, D x) {
+  _mm512_storeu_pd(lanes, x.lo);
+  _mm512_storeu_pd(lanes + 8, x.hi);
+}
+
+}  // namespace fusetrain::ops::simd::avx512
+FUSETRAIN_SIMD_END
+#endif  // FUSETRAIN_SIMD_X86
