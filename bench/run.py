@@ -6,7 +6,7 @@ table and writes ``bench/results/<machine>-<YYYY-MM-DD>.json``.
     python bench/run.py [--device cpu|cuda] [--quick] [--only NAME] [--threads N]
 
 Rows from an earlier run of the same machine and day are kept unless this run
-measured the same benchmark with the same thread count again, so ``--only``
+measured the same benchmark with the same thread count and CPU path again, so ``--only``
 refreshes a part of the file and a ``--threads 1`` run sits beside the default.
 """
 
@@ -79,7 +79,7 @@ def table(rows: list) -> str:
 def save(args, info: dict, now: datetime.datetime, command: str, ctx: Context, rows: list,
          elapsed: float) -> Path:
     """Writes this run's rows into the machine's file of the day (replacing
-    earlier rows of the same benchmark and thread count) and a copy under
+    earlier rows of the same benchmark, thread count and CPU path) and a copy under
     $OUT when set; returns the file's path."""
     args.results_dir.mkdir(parents=True, exist_ok=True)
     path = args.results_dir / f"{machine_slug(info)}-{now:%Y-%m-%d}.json"
@@ -87,8 +87,9 @@ def save(args, info: dict, now: datetime.datetime, command: str, ctx: Context, r
     if path.exists():
         try:
             old = json.loads(path.read_text())
-            fresh = {(r["benchmark"], r["threads"]) for r in rows}
-            kept = [r for r in old.get("results", []) if (r["benchmark"], r.get("threads")) not in fresh]
+            key = lambda r: (r["benchmark"], r.get("threads"), r.get("cpu_path"))  # noqa: E731
+            fresh = {key(r) for r in rows}
+            kept = [r for r in old.get("results", []) if key(r) not in fresh]
         except (json.JSONDecodeError, KeyError):
             kept = []
     for r in rows:  # each row says which run it came from: the file may hold several
@@ -170,6 +171,7 @@ def main(argv=None) -> int:
                 row["module"] = mod.NAME
                 row["quick"] = args.quick
                 row["threads"] = threads
+                row["cpu_path"] = info.get("cpu_path")  # FUSETRAIN_CPU_PATH runs sit beside the default
                 mod_rows.append(row)
         except Exception:  # one broken module must not cost the others' figures
             traceback.print_exc()
