@@ -24,7 +24,7 @@ test: build
 	@scripts/run-tests.sh $(PYTHON) $(BUILD)
 
 train: build
-	$(BUILD)/fusetrain train --config configs/fashion_mnist.yaml
+	FUSETRAIN_PYTHON=$(PYTHON) $(BUILD)/fusetrain train --config configs/fashion_mnist.yaml
 
 bench: build
 	$(PYTHON) bench/run.py

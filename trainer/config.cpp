@@ -229,6 +229,12 @@ const std::vector<KeySpec>& config_schema() {
       key("data.test_samples", K::kInt, "0", "test samples to use (0: all; synthetic: 2000)", {},
           0, 1e12),
       key("data.seed", K::kInt, "0", "seed of the data order and of synthetic data", {}, 0, 1e15),
+      key("data.random_crop_padding", K::kInt, "0",
+          "images: pad each training image by this many zero pixels a side and crop it back at a "
+          "random offset (per sample, from data.seed; 0: off)", {}, 0, 64),
+      key("data.random_hflip", K::kBool, "false",
+          "images: mirror each training image left-right with probability 1/2 (per sample, from "
+          "data.seed)"),
       key("data.image_size", K::kInt, "32", "synthetic_images: height and width", {}, 4, 4096),
       key("data.channels", K::kInt, "3", "synthetic_images: channels", {}, 1, 4096),
       key("data.num_classes", K::kInt, "0",
@@ -252,6 +258,9 @@ const std::vector<KeySpec>& config_schema() {
           "cuda: capture each execution of steps_per_execution > 1 steps as one CUDA graph"),
       key("train.clip_grad_norm", K::kFloat, "0", "clip the global gradient L2 norm (0: off)", {},
           0),
+      key("train.label_smoothing", K::kFloat, "0",
+          "classification: the training loss's label smoothing (torch's cross_entropy "
+          "label_smoothing; evaluation reports the plain loss)", {}, 0, 1),
       key("train.seed", K::kInt, "0", "seed of the initialisation and of dropout", {}, 0, 1e15),
       key("train.log_every", K::kInt, "50", "steps between metrics.jsonl records", {}, 1, 1e15),
       key("train.eval_every", K::kInt, "0",
@@ -336,6 +345,9 @@ const std::vector<KeySpec>& config_schema() {
           {}, 1, 1e9),
       key("output.progress", K::kString, "auto",
           "progress display (auto: a bar on a terminal, lines otherwise)", {"auto", "bar", "lines"}),
+      key("output.curves", K::kBool, "true",
+          "at the end, draw curves.png in the run directory with `$FUSETRAIN_PYTHON -m "
+          "fusetrain.plot` (python3 when unset; skipped with a note where it cannot run)"),
   };
   return schema;
 }

@@ -11,10 +11,14 @@
 
 #include <zlib.h>
 
+#include <c10/util/StringUtil.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
 #include <sstream>
+#include <vector>
 
 namespace fusetrain::trainer {
 
@@ -343,6 +347,65 @@ uint64_t mix_seed(uint64_t x) {
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
   return x ^ (x >> 31);
+}
+
+Augmentation augmentation_from(const Config& config, const Dataset& data) {
+  Augmentation aug;
+  aug.crop_padding = config.get_int("data.random_crop_padding");
+  aug.hflip = config.get_bool("data.random_hflip");
+  if (!aug.enabled()) return aug;
+  const char* key = aug.crop_padding > 0 ? "data.random_crop_padding" : "data.random_hflip";
+  TORCH_CHECK(!data.is_tokens && data.input_shape.size() == 3, key,
+              " augments images [N, C, H, W]; this dataset's inputs are ",
+              data.is_tokens ? "token windows" : "not images", " (shape [N, ",
+              c10::Join(", ", data.input_shape), "]): set it to its default");
+  aug.seed = mix_seed(static_cast<uint64_t>(config.get_int("data.seed")) ^ 0x6175676dULL);
+  // A zero pixel normalised as the loaders normalise (float32 ops), so the
+  // padding equals a padded raw image's zeros bit for bit.
+  aug.pad_value = at::zeros({1}, at::kFloat).sub_(data.mean).div_(data.std).item<float>();
+  return aug;
+}
+
+void augment_images_(at::Tensor& images, const at::Tensor& index, int64_t epoch,
+                     const Augmentation& aug) {
+  if (!aug.enabled()) return;
+  TORCH_CHECK(images.dim() == 4 && images.scalar_type() == at::kFloat && images.is_cpu() &&
+                  images.is_contiguous(),
+              "augment_images_: expected a contiguous float32 CPU batch [B, C, H, W], got ",
+              images.scalar_type(), " ", images.sizes(), " on ", images.device());
+  const int64_t b = images.size(0), c = images.size(1), h = images.size(2), w = images.size(3);
+  const at::Tensor idx = index.to(at::kLong).contiguous();
+  TORCH_CHECK(idx.numel() == b, "augment_images_: ", idx.numel(), " sample indices for ", b,
+              " images");
+  const int64_t* sample = idx.const_data_ptr<int64_t>();
+  const int64_t p = aug.crop_padding;
+  float* data = images.data_ptr<float>();
+  std::vector<float> src(static_cast<size_t>(c * h * w));
+  for (int64_t i = 0; i < b; ++i) {
+    const uint64_t r = mix_seed(aug.seed ^ mix_seed(static_cast<uint64_t>(epoch) * 0x100000001b3ULL ^
+                                                    static_cast<uint64_t>(sample[i])));
+    // Offsets uniform in [-p, p] (the modulo bias of a 64-bit draw is < 2^-50).
+    const int64_t dy = p > 0 ? static_cast<int64_t>(r % static_cast<uint64_t>(2 * p + 1)) - p : 0;
+    const int64_t dx =
+        p > 0 ? static_cast<int64_t>((r >> 20) % static_cast<uint64_t>(2 * p + 1)) - p : 0;
+    const bool flip = aug.hflip && ((r >> 63) & 1);
+    if (dy == 0 && dx == 0 && !flip) continue;
+    float* img = data + i * c * h * w;
+    std::copy(img, img + c * h * w, src.begin());
+    for (int64_t ch = 0; ch < c; ++ch) {
+      const float* in = src.data() + ch * h * w;
+      float* out = img + ch * h * w;
+      for (int64_t y = 0; y < h; ++y) {
+        const int64_t sy = y + dy;
+        for (int64_t x = 0; x < w; ++x) {
+          // Output (y, x) shows the padded image's (y + p + dy, x + p + dx),
+          // mirrored first when flipped.
+          const int64_t sx = (flip ? w - 1 - x : x) + dx;
+          out[y * w + x] = sy >= 0 && sy < h && sx >= 0 && sx < w ? in[sy * w + sx] : aug.pad_value;
+        }
+      }
+    }
+  }
 }
 
 void check_data_available(const Config& config) {

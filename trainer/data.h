@@ -64,6 +64,29 @@ void check_data_available(const Config& config);
 /// splitmix64: decorrelates nearby seeds (seed, seed + 1; epoch 0, 1, ...).
 uint64_t mix_seed(uint64_t x);
 
+/// Training-time image augmentation (data.random_crop_padding,
+/// data.random_hflip). Each sample's crop offset and flip are a hash of
+/// (seed, epoch, sample index), so they are the same whichever rank, loader
+/// path or thread count prepares the batch, and a resumed run sees what an
+/// uninterrupted one would.
+struct Augmentation {
+  int64_t crop_padding = 0;  // pixels of padding a side; the crop offset is in [-p, p]
+  bool hflip = false;
+  uint64_t seed = 0;
+  float pad_value = 0.f;  // a zero pixel after normalisation: (0 - mean) / std
+  bool enabled() const { return crop_padding > 0 || hflip; }
+};
+
+/// The config's augmentation for `data` (off unless a key turns it on; an
+/// error naming the key where the inputs are not images [N, C, H, W]).
+Augmentation augmentation_from(const Config& config, const Dataset& data);
+
+/// Applies `aug` in place to a batch of images [B, C, H, W] (float32,
+/// contiguous, on the CPU) whose rows are the samples `index` [B] of the
+/// training split in `epoch`.
+void augment_images_(at::Tensor& images, const at::Tensor& index, int64_t epoch,
+                     const Augmentation& aug);
+
 /// Reads one gzip IDX file (magic 0x0801 labels or 0x0803 images) into a
 /// uint8 tensor of its shape. Errors name the file and what is wrong.
 at::Tensor read_idx_gz(const std::string& path);

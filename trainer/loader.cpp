@@ -14,11 +14,12 @@ namespace fusetrain::trainer {
 
 BatchLoader::BatchLoader(Split train, BatchSampler sampler, int64_t steps_per_epoch,
                          int64_t grad_accum, int64_t first, int64_t last, int64_t depth,
-                         at::Device device)
+                         at::Device device, Augmentation augment)
     : train_(std::move(train)),
       sampler_(std::move(sampler)),
       steps_per_epoch_(steps_per_epoch),
       grad_accum_(grad_accum),
+      augment_(augment),
       next_take_(first),
       last_(last),
       depth_(static_cast<size_t>(std::max<int64_t>(1, depth))),
@@ -75,6 +76,7 @@ BatchLoader::Prepared BatchLoader::prepare(int64_t step) {
   for (int64_t m = 0; m < grad_accum_; ++m) {
     const at::Tensor idx = sampler_.indices(epoch, in_epoch, m).contiguous();
     Micro micro{gather(train_.inputs, idx), gather(train_.targets, idx)};
+    augment_images_(micro.inputs, idx, epoch, augment_);
     if (copy_stream_) {
       // From pinned memory: the copy is asynchronous, and the pinned block
       // is not reused before it completes (the host allocator records it).

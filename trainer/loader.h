@@ -41,10 +41,12 @@ class BatchLoader {
   };
 
   /// Prepares steps [first, last) of a run with `steps_per_epoch` steps per
-  /// epoch and `grad_accum` micro-batches per step. `train` and `sampler`
-  /// are on the CPU; the batches go to `device`.
+  /// epoch and `grad_accum` micro-batches per step, the images augmented by
+  /// `augment` (on this thread). `train` and `sampler` are on the CPU; the
+  /// batches go to `device`.
   BatchLoader(Split train, BatchSampler sampler, int64_t steps_per_epoch, int64_t grad_accum,
-              int64_t first, int64_t last, int64_t depth, at::Device device);
+              int64_t first, int64_t last, int64_t depth, at::Device device,
+              Augmentation augment = {});
   ~BatchLoader();
   BatchLoader(const BatchLoader&) = delete;
   BatchLoader& operator=(const BatchLoader&) = delete;
@@ -71,6 +73,7 @@ class BatchLoader {
   BatchSampler sampler_;
   int64_t steps_per_epoch_;
   int64_t grad_accum_;
+  Augmentation augment_;
   int64_t next_take_;
   int64_t last_;
   size_t depth_;

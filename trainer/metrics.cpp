@@ -3,7 +3,23 @@
 
 #include "run_dir.h"
 
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <sstream>
+#include <thread>
+#include <vector>
+
+extern char** environ;
 
 namespace fusetrain::trainer {
 
@@ -28,6 +44,59 @@ void MetricsLog::open(const std::string& path, int64_t keep_through_step) {
 void MetricsLog::write(const Record& record) {
   out_ << record.dump() << "\n";
   out_.flush();
+}
+
+std::string draw_curves(const std::string& run_dir, double timeout_s, std::string* why) {
+  const char* env = std::getenv("FUSETRAIN_PYTHON");
+  const std::string python = env != nullptr && *env != '\0' ? env : "python3";
+  const std::string image = run_dir + "/curves.png";
+  const std::string log = run_dir + "/curves.log";
+  std::vector<std::string> args = {python, "-m", "fusetrain.plot", run_dir, "-o", image};
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  // The plotter's output goes to curves.log, not into the run's own output.
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
+  pid_t pid = 0;
+  const int rc = posix_spawnp(&pid, python.c_str(), &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) {
+    *why = python + " could not be started (" + std::strerror(rc) + "); set FUSETRAIN_PYTHON";
+    return "";
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  int status = 0;
+  while (true) {
+    const pid_t done = waitpid(pid, &status, WNOHANG);
+    if (done == pid) break;
+    if (done < 0 && errno != EINTR) {
+      *why = std::string("waiting for the plotter failed: ") + std::strerror(errno);
+      return "";
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      *why = python + " -m fusetrain.plot took over " + std::to_string(static_cast<int>(timeout_s)) +
+             " s; stopped";
+      return "";
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0 && std::filesystem::exists(image)) {
+    std::filesystem::remove(log);
+    return image;
+  }
+  // The last line the plotter printed says why (no module fusetrain, no matplotlib, ...).
+  std::ifstream in(log);
+  std::string line, last;
+  while (std::getline(in, line)) {
+    if (!line.empty()) last = line;
+  }
+  *why = python + " -m fusetrain.plot failed" + (last.empty() ? "" : ": " + last) + " (" + log + ")";
+  return "";
 }
 
 }  // namespace fusetrain::trainer

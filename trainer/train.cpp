@@ -91,8 +91,12 @@ class Trainer {
     const int64_t p = config_.get_int("data.prefetch");
     return p >= 0 ? p : (device_.is_cpu() ? 0 : 2);
   }
-  /// Tensors per micro-batch in a step's batch: 2 with the loader, else 1.
-  int64_t micro_slots() const { return loader_ ? 2 : 1; }
+  /// Whether a step's batch holds the micro-batches' tensors (from the
+  /// loader, or gathered and augmented before the step) rather than their
+  /// sample indices (gathered inside the step, which may be a CUDA graph).
+  bool batch_holds_data() const { return loader_ != nullptr || augment_.enabled(); }
+  /// Tensors per micro-batch in a step's batch: 2 with data, else 1.
+  int64_t micro_slots() const { return batch_holds_data() ? 2 : 1; }
   /// One optimizer step over `batch` (see step_batch); returns its loss.
   at::Tensor step_body(const std::vector<at::Tensor>& batch);
   /// Steps [first, first + n): one fused execution when K > 1.
@@ -131,6 +135,7 @@ class Trainer {
   std::unique_ptr<BatchSampler> sampler_;
   // data.prefetch > 0: the batches come from a background thread.
   std::unique_ptr<BatchLoader> loader_;
+  Augmentation augment_;  // data.random_crop_padding, data.random_hflip
   std::unique_ptr<Progress> progress_;
   MetricsLog metrics_;
   // steps_per_execution > 1: K steps per execution, captured as a CUDA graph
@@ -167,6 +172,7 @@ void Trainer::build() {
   const bool loader = prefetch() > 0;
   const at::Device data_device = loader ? at::Device(at::kCPU) : device_;
   data_ = load_dataset(config_, device_, data_device);
+  augment_ = augmentation_from(config_, data_);
   model_ = make_model(config_, data_);
   model_->to(device_);
   if (config_.get_bool("precision.master_weights")) {
@@ -402,6 +408,18 @@ std::vector<at::Tensor> Trainer::step_batch(int64_t step) {
       batch.push_back(std::move(micro.inputs));
       batch.push_back(std::move(micro.targets));
     }
+  } else if (augment_.enabled()) {
+    // Without the loader: the same gather and augmentation, here (an image
+    // batch is small; on a device the loader, its default, does this).
+    for (int64_t m = 0; m < accum; ++m) {
+      const at::Tensor idx = sampler_->indices(epoch, in_epoch, m);
+      at::Tensor x = data_.train.inputs.index_select(0, idx.to(data_.train.inputs.device()))
+                         .to(at::kCPU)
+                         .contiguous();
+      augment_images_(x, idx, epoch, augment_);
+      batch.push_back(x.to(device_));
+      batch.push_back(data_.train.targets.index_select(0, idx.to(data_.train.targets.device())));
+    }
   } else {
     for (int64_t m = 0; m < accum; ++m) batch.push_back(sampler_->indices(epoch, in_epoch, m));
   }
@@ -412,7 +430,7 @@ std::vector<at::Tensor> Trainer::step_batch(int64_t step) {
 }
 
 std::vector<at::Tensor> Trainer::sample_batch() {
-  if (!loader_) return step_batch(step_);
+  if (!batch_holds_data()) return step_batch(step_);
   const int64_t micro = config_.get_int("data.batch_size") / world_.world_size() /
                         config_.get_int("train.grad_accum");
   std::vector<at::Tensor> batch;
@@ -442,7 +460,7 @@ at::Tensor Trainer::step_body(const std::vector<at::Tensor>& batch) {
   at::Tensor step_loss = at::zeros({1}, window_loss_.options());
   for (int64_t m = 0; m < accum; ++m) {
     at::Tensor x, y;
-    if (loader_) {
+    if (batch_holds_data()) {
       x = batch[2 * m];
       y = batch[2 * m + 1];
     } else {
@@ -456,7 +474,8 @@ at::Tensor Trainer::step_body(const std::vector<at::Tensor>& batch) {
       const amp::AutocastGuard autocast(device_.type(), policy_);
       logits = parallel_->forward(x);
     }
-    const at::Tensor loss = float32_cross_entropy(logits, y);
+    const at::Tensor loss = float32_cross_entropy(logits, y, at::Reduction::Mean,
+                                                  config_.get_float("train.label_smoothing"));
     const at::Tensor scaled = scaler_->scale(accum > 1 ? loss / static_cast<double>(accum) : loss);
     scaled.backward();
     step_loss.add_(loss.detach().reshape({1}), 1.0 / static_cast<double>(accum));
@@ -652,7 +671,7 @@ int Trainer::run() {
   if (prefetch > 0) {
     loader_ = std::make_unique<BatchLoader>(data_.train, *sampler_, steps_per_epoch_,
                                             config_.get_int("train.grad_accum"), step_,
-                                            total_steps_, prefetch, device_);
+                                            total_steps_, prefetch, device_, augment_);
   }
   const int64_t k = config_.get_int("train.steps_per_execution");
   const int64_t log_every = config_.get_int("train.log_every");
@@ -735,6 +754,11 @@ int Trainer::run() {
   if (loader_) {
     say(fmt::format("  data: the steps waited {:.3f} s in all for the loader thread ({} steps ahead)",
                     loader_->wait_seconds(), prefetch));
+  }
+  if (rank0_ && config_.get_bool("output.curves")) {
+    std::string why;
+    const std::string image = draw_curves(plan_.run_dir, 120.0, &why);
+    say(image.empty() ? "  curves: not drawn: " + why : "  curves: " + image);
   }
   world_.barrier();
   return 0;

@@ -1,0 +1,179 @@
+"""The default run's training levers (issue 18): per-sample image
+augmentation (data.random_crop_padding, data.random_hflip), label smoothing
+(train.label_smoothing) and the curves.png a run leaves behind.
+
+The augmentation's reference is another path to the same numbers: the
+documented per-sample hash reimplemented here, the crops and flips done with
+torch on the raw images, and that dataset trained without augmentation must
+give the augmented run's parameters bit for bit."""
+
+from __future__ import annotations
+
+import gzip
+import math
+import os
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainer_cli import BIN, ROOT, assert_same_state, final_state, ok, records, run
+
+TINY = ROOT / "configs" / "tiny.yaml"
+GPT = ROOT / "configs" / "gpt_tiny.yaml"
+FASHION = Path(os.environ.get("FUSETRAIN_FASHION_MNIST", "/usr/share/datasets/fashion-mnist"))
+USAGE = 2
+MASK = (1 << 64) - 1
+
+pytestmark = pytest.mark.skipif(not BIN.exists(), reason=f"{BIN} is missing: build it first (make build)")
+needs_fashion = pytest.mark.skipif(not (FASHION / "train-images-idx3-ubyte.gz").exists(),
+                                   reason="Fashion-MNIST is not installed (scripts/install-deps.sh)")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+def idx(path: Path) -> torch.Tensor:
+    data = gzip.open(path).read()
+    ndim = data[3]
+    shape = struct.unpack(">" + "I" * ndim, data[4:4 + 4 * ndim])
+    return torch.frombuffer(bytearray(data[4 + 4 * ndim:]), dtype=torch.uint8).reshape(shape)
+
+
+def mix(x: int) -> int:
+    """splitmix64, as trainer/data.cpp's mix_seed."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK
+    return x ^ (x >> 31)
+
+
+def augment_reference(images: torch.Tensor, epoch: int, data_seed: int, padding: int, hflip: bool):
+    """[N, H, W] uint8 images as the trainer augments sample i in `epoch`:
+    zero-padded by `padding`, cropped back at offset (dy, dx), then mirrored."""
+    seed = mix(data_seed ^ 0x6175676D)
+    n, h, w = images.shape
+    padded = F.pad(images, (padding,) * 4)  # raw zeros
+    out = torch.empty_like(images)
+    for i in range(n):
+        r = mix(seed ^ mix(((epoch * 0x100000001B3) & MASK) ^ i))
+        dy = r % (2 * padding + 1) - padding if padding else 0
+        dx = (r >> 20) % (2 * padding + 1) - padding if padding else 0
+        img = padded[i, padding + dy:padding + dy + h, padding + dx:padding + dx + w]
+        out[i] = img.flip(-1) if hflip and (r >> 63) & 1 else img
+    return out
+
+
+@pytest.fixture(scope="module")
+def fashion_files(tmp_path_factory):
+    if not (FASHION / "train-images-idx3-ubyte.gz").exists():
+        pytest.skip("Fashion-MNIST is missing: apt-get install dataset-fashion-mnist")
+    d = tmp_path_factory.mktemp("fashion")
+    x = idx(FASHION / "train-images-idx3-ubyte.gz")
+    scaled = x.double().div(255)
+    val = d / "val.safetensors"
+    safetensors_torch.save_file({"inputs": idx(FASHION / "t10k-images-idx3-ubyte.gz")[:256].contiguous(),
+                                 "labels": idx(FASHION / "t10k-labels-idx1-ubyte.gz")[:256].long()}, str(val))
+    return {"x": x[:1024].contiguous(), "y": idx(FASHION / "train-labels-idx1-ubyte.gz")[:1024].long(),
+            "val": val, "mean": scaled.mean().item(), "std": scaled.std().item(), "dir": d}
+
+
+def tensors_args(f, train: Path):
+    return ("--set", "data.name=tensors", "--set", f"data.path={train}", "--set", f"data.val_path={f['val']}",
+            "--set", f"data.mean={f['mean']!r}", "--set", f"data.std={f['std']!r}", "--set", "output.curves=false")
+
+
+@pytest.mark.parametrize("padding,hflip", [(2, True), (3, False), (0, True)], ids=["crop2+flip", "crop3", "flip"])
+def test_augmentation_trains_what_the_reference_augmented_data_trains(tmp_path, fashion_files, padding, hflip):
+    f = fashion_files
+    train = tmp_path / "train.safetensors"
+    safetensors_torch.save_file({"inputs": f["x"], "labels": f["y"]}, str(train))
+    ref_train = tmp_path / "ref.safetensors"
+    aug = augment_reference(f["x"], epoch=0, data_seed=0, padding=padding, hflip=hflip)
+    assert not torch.equal(aug, f["x"])
+    safetensors_torch.save_file({"inputs": aug.contiguous(), "labels": f["y"]}, str(ref_train))
+    one_epoch = ("--config", TINY, "--set", "train.epochs=1")
+    mine, ref = tmp_path / "mine", tmp_path / "ref"
+    ok(run("train", *one_epoch, *tensors_args(f, train), "--run-dir", mine,
+           "--set", f"data.random_crop_padding={padding}", "--set", f"data.random_hflip={str(hflip).lower()}"))
+    ok(run("train", *one_epoch, *tensors_args(f, ref_train), "--run-dir", ref))
+    assert_same_state(final_state(mine), final_state(ref))
+
+
+def test_flipping_mirror_symmetric_images_changes_nothing(tmp_path, fashion_files):
+    f = fashion_files
+    sym = torch.maximum(f["x"], f["x"].flip(-1)).contiguous()
+    train = tmp_path / "sym.safetensors"
+    safetensors_torch.save_file({"inputs": sym, "labels": f["y"]}, str(train))
+    plain, flipped = tmp_path / "plain", tmp_path / "flipped"
+    ok(run("train", "--config", TINY, *tensors_args(f, train), "--run-dir", plain))
+    ok(run("train", "--config", TINY, *tensors_args(f, train), "--run-dir", flipped,
+           "--set", "data.random_hflip=true"))
+    assert_same_state(final_state(plain), final_state(flipped))
+
+
+@needs_fashion
+def test_augmented_batches_are_the_same_with_the_loader_and_on_resume(tmp_path):
+    aug = ("--config", TINY, "--set", "data.random_crop_padding=2", "--set", "data.random_hflip=true",
+           "--set", "output.curves=false")
+    inline, loaded = tmp_path / "inline", tmp_path / "loaded"
+    ok(run("train", *aug, "--set", "data.prefetch=0", "--run-dir", inline))
+    ok(run("train", *aug, "--set", "data.prefetch=2", "--run-dir", loaded))
+    assert_same_state(final_state(inline), final_state(loaded))
+    plain = tmp_path / "plain"
+    ok(run("train", "--config", TINY, "--set", "output.curves=false", "--run-dir", plain))
+    with pytest.raises(AssertionError):  # augmentation is on at all
+        assert_same_state(final_state(inline), final_state(plain))
+    # Stopped in epoch 1 and resumed: the second epoch gets epoch 1's crops.
+    first = tmp_path / "first"
+    ok(run("train", *aug, "--set", "train.max_steps=32", "--set", "output.checkpoint_every=20",
+           "--run-dir", first))
+    resumed = tmp_path / "resumed"
+    ok(run("train", *aug, "--resume", first / "checkpoints" / "step_00000020.pt", "--run-dir", resumed))
+    assert_same_state(final_state(inline), final_state(resumed))
+
+
+def test_augmentation_of_token_windows_is_a_usage_error(tmp_path):
+    p = run("train", "--config", GPT, "--set", "data.random_hflip=true", "--set", "train.max_steps=2",
+            "--run-dir", tmp_path / "run")
+    assert p.returncode != 0
+    assert "data.random_hflip augments images [N, C, H, W]" in p.stderr + p.stdout
+
+
+@needs_fashion
+def test_full_label_smoothing_learns_the_uniform_distribution(tmp_path):
+    # With label_smoothing = 1 the target is uniform over the C classes, so
+    # training drives the test loss (reported without smoothing) to ln C,
+    # where without smoothing it falls far below it.
+    runs = {}
+    for ls in (0.0, 1.0):
+        d = tmp_path / f"ls{ls}"
+        ok(run("train", "--config", TINY, "--set", f"train.label_smoothing={ls}", "--set", "output.curves=false",
+               "--set", "train.epochs=3", "--run-dir", d))
+        runs[ls] = records(d, "eval")[-1]
+    assert abs(runs[1.0]["loss"] - math.log(10)) < 0.02, runs[1.0]
+    assert runs[0.0]["loss"] < 1.0, runs[0.0]
+
+
+@needs_fashion
+def test_a_run_draws_its_curves_and_says_where(tmp_path):
+    d = tmp_path / "run"
+    env_python = {"FUSETRAIN_PYTHON": sys.executable}
+    p = ok(run_with_env(env_python, "train", "--config", TINY, "--set", "train.epochs=1", "--run-dir", d))
+    assert f"curves: {d}/curves.png" in p.stdout, p.stdout[-2000:]
+    assert (d / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    missing = tmp_path / "missing"
+    p = ok(run_with_env({"FUSETRAIN_PYTHON": str(tmp_path / "no-python")}, "train", "--config", TINY,
+                        "--set", "train.epochs=1", "--run-dir", missing))
+    assert "curves: not drawn:" in p.stdout and "set FUSETRAIN_PYTHON" in p.stdout, p.stdout[-2000:]
+    assert not (missing / "curves.png").exists()
+
+
+def run_with_env(extra: dict, *args):
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(extra)
+    return subprocess.run([str(BIN), *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
