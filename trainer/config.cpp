@@ -258,6 +258,9 @@ const std::vector<KeySpec>& config_schema() {
           "cuda: capture each execution of steps_per_execution > 1 steps as one CUDA graph"),
       key("train.clip_grad_norm", K::kFloat, "0", "clip the global gradient L2 norm (0: off)", {},
           0),
+      key("train.ema_decay", K::kFloat, "0",
+          "keep an exponential moving average of the weights with this decay per step (0: off), "
+          "evaluated beside them (ema_accuracy) and kept in checkpoints", {}, 0, 0.999999),
       key("train.label_smoothing", K::kFloat, "0",
           "classification: the training loss's label smoothing (torch's cross_entropy "
           "label_smoothing; evaluation reports the plain loss)", {}, 0, 1),

@@ -117,6 +117,27 @@ class Trainer {
     if (rank0_) progress_->line(text);
   }
 
+  // Note [Weight EMA]
+  // train.ema_decay = d > 0 keeps a float32 average of the model's floating
+  // state (parameters and batch-norm statistics): a_t = d a_{t-1} + (1 - d) w_t
+  // after every optimizer step, from a_0 = 0 at ema_start_ (step 0, or the
+  // step a run without one was resumed at). The weights it stands for are
+  // the debiased a_t / (1 - d^t), as Adam debiases its moments: no warm-up
+  // schedule, and the update is one constant-weight foreach lerp per step,
+  // which a CUDA graph can hold. Every rank keeps the same average (the same
+  // weights, the same ops); evaluation swaps the debiased average into the
+  // model and back.
+  void init_ema();
+  void update_ema();
+  /// Runs `fn` with the debiased average in the model's tensors.
+  template <typename Fn>
+  auto with_ema_weights(Fn&& fn);
+  std::vector<std::string> ema_names_;
+  std::vector<at::Tensor> ema_live_;  // the model's tensors the average follows
+  std::vector<at::Tensor> ema_;       // a_t, float32
+  int64_t ema_start_ = 0;
+  EvalResult last_ema_eval_;
+
   Config config_;
   RunPlan plan_;
   const Distributed& world_;
@@ -178,6 +199,7 @@ void Trainer::build() {
   if (config_.get_bool("precision.master_weights")) {
     cast_for_master_weights(model_, policy_.compute_dtype());
   }
+  init_ema();
 
   // Weight decay on weight matrices and kernels only: decaying biases and
   // normalisation scales towards zero only hurts.
@@ -276,6 +298,10 @@ TensorDict Trainer::snapshot() {
   put_model(d, model_);
   put_optimizer(d, model_, *optimizer_, config_.get_string("optimizer.name"));
   put_scaler(d, *scaler_);
+  if (!ema_.empty()) {
+    d.emplace_back("ema.start_step", scalar_entry(ema_start_));
+    for (size_t i = 0; i < ema_.size(); ++i) d.emplace_back("ema." + ema_names_[i], ema_[i]);
+  }
   return d;
 }
 
@@ -323,6 +349,18 @@ void Trainer::restore(const std::string& path) {
   }
   at::Generator cpu_gen = at::detail::getDefaultCPUGenerator();
   cpu_gen.set_state(entry("rng.cpu_state"));
+  if (!ema_.empty()) {
+    const auto start = std::find_if(ckpt.begin(), ckpt.end(),
+                                    [](const auto& kv) { return kv.first == "ema.start_step"; });
+    if (start == ckpt.end()) {
+      ema_start_ = step_;  // a_0 = 0 here: the average starts now
+      say(fmt::format("warning: {} has no weight average; train.ema_decay starts one at step {}", path,
+                      step_));
+    } else {
+      ema_start_ = start->second.item<int64_t>();
+      for (size_t i = 0; i < ema_.size(); ++i) ema_[i].copy_(entry("ema." + ema_names_[i]));
+    }
+  }
 }
 
 // ------------------------------------------------------------------ the step
@@ -487,7 +525,46 @@ at::Tensor Trainer::step_body(const std::vector<at::Tensor>& batch) {
   scaler_->step(*optimizer_);
   if (scaler_->is_enabled()) skipped_.add_(scaler_->found_inf().ne(0).reshape({1}));
   scaler_->update();
+  update_ema();
   return step_loss;
+}
+
+void Trainer::init_ema() {
+  if (config_.get_float("train.ema_decay") <= 0) return;
+  auto follow = [&](const std::string& name, const at::Tensor& t) {
+    if (!at::isFloatingType(t.scalar_type())) return;  // e.g. num_batches_tracked
+    ema_names_.push_back(name);
+    ema_live_.push_back(t);
+    ema_.push_back(at::zeros(t.sizes(), t.options().dtype(at::kFloat)));
+  };
+  for (const auto& p : model_->named_parameters()) follow(p.key(), p.value());
+  for (const auto& b : model_->named_buffers()) follow(b.key(), b.value());
+}
+
+void Trainer::update_ema() {
+  if (ema_.empty()) return;
+  const at::NoGradGuard no_grad;
+  std::vector<at::Tensor> live;
+  live.reserve(ema_live_.size());
+  for (const at::Tensor& t : ema_live_) live.push_back(t.detach().to(at::kFloat));
+  // a += (1 - d) (w - a), i.e. a = d a + (1 - d) w.
+  at::_foreach_lerp_(ema_, live, 1.0 - config_.get_float("train.ema_decay"));
+}
+
+template <typename Fn>
+auto Trainer::with_ema_weights(Fn&& fn) {
+  const at::NoGradGuard no_grad;
+  const double d = config_.get_float("train.ema_decay");
+  const double debias = 1.0 - std::pow(d, static_cast<double>(step_ - ema_start_));
+  std::vector<at::Tensor> kept;
+  kept.reserve(ema_live_.size());
+  for (size_t i = 0; i < ema_live_.size(); ++i) {
+    kept.push_back(ema_live_[i].detach().clone());
+    ema_live_[i].detach().copy_(debias > 0 ? ema_[i] / debias : ema_live_[i]);
+  }
+  auto result = fn();
+  for (size_t i = 0; i < ema_live_.size(); ++i) ema_live_[i].detach().copy_(kept[i]);
+  return result;
 }
 
 void Trainer::prepare_fused_steps(int64_t k) {
@@ -578,16 +655,24 @@ void Trainer::end_epoch(int64_t step, bool epoch_end) {
                       std::max(1e-9, epoch_seconds_);
   last_eval_ = evaluate(*model_, data_.test, world_, policy_, device_.type(),
                         config_.get_int("data.eval_batch_size"));
+  if (!ema_.empty()) {
+    last_ema_eval_ = with_ema_weights([&] {
+      return evaluate(*model_, data_.test, world_, policy_, device_.type(),
+                      config_.get_int("data.eval_batch_size"));
+    });
+  }
+  const std::string ema_text =
+      ema_.empty() ? "" : fmt::format(" (EMA {:.2f}%)", 100.0 * last_ema_eval_.accuracy);
   const int64_t epoch = (step - 1) / steps_per_epoch_ + 1;
   const int64_t epochs = (total_steps_ + steps_per_epoch_ - 1) / steps_per_epoch_;
   const double lr = lr_at(step - 1);
   const double scale = scaler_->get_scale();
   const int64_t skipped = skipped_before_ + static_cast<int64_t>(skipped_.item<float>());
   if (epoch_end) {
-    say(fmt::format("epoch {}/{}  loss {:.4f}  test loss {:.4f}  accuracy {:.2f}%  {:.0f} samples/s  "
+    say(fmt::format("epoch {}/{}  loss {:.4f}  test loss {:.4f}  accuracy {:.2f}%{}  {:.0f} samples/s  "
                     "lr {:.2e}  scale {:g}  skipped {}  ({})",
-                    epoch, epochs, loss, last_eval_.loss, 100.0 * last_eval_.accuracy, rate, lr, scale,
-                    skipped, duration_text(epoch_seconds_)));
+                    epoch, epochs, loss, last_eval_.loss, 100.0 * last_eval_.accuracy, ema_text, rate,
+                    lr, scale, skipped, duration_text(epoch_seconds_)));
   } else {
     say(fmt::format("  step {}/{}  validation loss {:.4f}  accuracy {:.2f}%", step, total_steps_,
                     last_eval_.loss, 100.0 * last_eval_.accuracy));
@@ -596,6 +681,10 @@ void Trainer::end_epoch(int64_t step, bool epoch_end) {
                 {"scale", scale}, {"skipped", skipped}, {"samples_per_s", rate},
                 {"accuracy", last_eval_.accuracy}, {"test_loss", last_eval_.loss}};
   add_validation(record);
+  if (!ema_.empty()) {
+    if (!data_.is_tokens) record["ema_accuracy"] = last_ema_eval_.accuracy;
+    record["ema_test_loss"] = last_ema_eval_.loss;
+  }
   record["time_s"] = elapsed_s();
   write_metrics(record);
   if (!epoch_end) return;
@@ -748,9 +837,13 @@ int Trainer::run() {
     segment_start_ = Clock::now();
   }
   save_checkpoint("final");
-  say(fmt::format("done: {} steps in {}; test accuracy {:.2f}%, test loss {:.4f}; checkpoint {}",
+  say(fmt::format("done: {} steps in {}; test accuracy {:.2f}%, test loss {:.4f}{}; checkpoint {}",
                   step_ - start_step_, duration_text(elapsed_s()), 100.0 * last_eval_.accuracy,
-                  last_eval_.loss, last_checkpoint_));
+                  last_eval_.loss,
+                  ema_.empty() ? ""
+                               : fmt::format("; EMA accuracy {:.2f}%, loss {:.4f}",
+                                             100.0 * last_ema_eval_.accuracy, last_ema_eval_.loss),
+                  last_checkpoint_));
   if (loader_) {
     say(fmt::format("  data: the steps waited {:.3f} s in all for the loader thread ({} steps ahead)",
                     loader_->wait_seconds(), prefetch));

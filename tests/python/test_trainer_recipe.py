@@ -170,6 +170,27 @@ def test_a_run_draws_its_curves_and_says_where(tmp_path):
     assert not (missing / "curves.png").exists()
 
 
+SCALAR_TYPE = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4, torch.float16: 5,
+               torch.float32: 6, torch.float64: 7, torch.bool: 11, torch.bfloat16: 15}
+
+
+def save_checkpoint(state: dict, path: Path) -> None:
+    """torch.save with the trainer's meta.checksum (trainer/checkpoint.cpp:
+    CRC-32 over each entry's key, dtype, sizes and bytes, in order)."""
+    import zlib
+
+    crc = zlib.crc32(b"")
+    out = {k: v for k, v in state.items() if k != "meta.checksum"}
+    for key, t in out.items():
+        crc = zlib.crc32(key.encode(), crc)
+        crc = zlib.crc32(struct.pack("<i", SCALAR_TYPE[t.dtype]), crc)
+        for s in t.shape:
+            crc = zlib.crc32(struct.pack("<q", s), crc)
+        crc = zlib.crc32(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"", crc)
+    out["meta.checksum"] = torch.tensor(crc, dtype=torch.long)
+    torch.save(out, path)
+
+
 def run_with_env(extra: dict, *args):
     import subprocess
 
@@ -177,3 +198,68 @@ def run_with_env(extra: dict, *args):
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(extra)
     return subprocess.run([str(BIN), *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
+
+
+# ------------------------------------------------------------ weight EMA
+
+EMA_DECAY = 0.9
+
+
+@needs_fashion
+def test_weight_ema_is_the_debiased_average_of_every_step(tmp_path):
+    """train.ema_decay: the checkpoint's ema.* after step t equals the
+    recurrence a_t = d a_{t-1} + (1 - d) w_t (a_0 = 0) over the weights w_t
+    that the per-step checkpoints hold, computed here in float64; the run's
+    ema_accuracy is what `fusetrain eval` gives for the debiased a_t / (1 - d^t)."""
+    d = tmp_path / "run"
+    ok(run("train", "--config", TINY, "--set", f"train.ema_decay={EMA_DECAY}", "--set", "train.epochs=1",
+           "--set", "output.checkpoint_every=1", "--set", "output.keep_checkpoints=100",
+           "--set", "output.curves=false", "--run-dir", d))
+    ckpts = sorted((d / "checkpoints").glob("step_*.pt"))
+    assert len(ckpts) == 16
+    avg = None
+    for t, path in enumerate(ckpts, 1):
+        state = torch.load(path)
+        assert int(state["trainer.step"]) == t and int(state["ema.start_step"]) == 0
+        names = [k[len("ema."):] for k in state if k.startswith("ema.") and k != "ema.start_step"]
+        assert any(n.endswith("running_mean") for n in names)  # batch-norm statistics too
+        assert not any(n.endswith("num_batches_tracked") for n in names)
+        w = {n: state["model." + n].double() for n in names}
+        avg = ({n: (1 - EMA_DECAY) * w[n] for n in names} if avg is None
+               else {n: EMA_DECAY * avg[n] + (1 - EMA_DECAY) * w[n] for n in names})
+        for n in names:
+            # float32 recurrence: a few ulps per step of the running value
+            torch.testing.assert_close(state["ema." + n].double(), avg[n], rtol=1e-5, atol=1e-6, msg=n)
+    last = torch.load(ckpts[-1])
+    debias = 1 - EMA_DECAY ** 16
+    swapped = dict(last)
+    for n in names:
+        swapped["model." + n] = (last["ema." + n] / debias).to(last["model." + n].dtype)
+    save_checkpoint(swapped, tmp_path / "ema.pt")
+    p = ok(run("eval", "--checkpoint", tmp_path / "ema.pt"))
+    ema_accuracy = records(d, "eval")[-1]["ema_accuracy"]
+    assert f"{100 * ema_accuracy:.2f}%" in p.stdout, (ema_accuracy, p.stdout)
+
+
+@needs_fashion
+def test_weight_ema_resumes_exactly(tmp_path):
+    args = ("--config", TINY, "--set", f"train.ema_decay={EMA_DECAY}", "--set", "output.curves=false")
+    whole = tmp_path / "whole"
+    ok(run("train", *args, "--run-dir", whole))
+    first = tmp_path / "first"
+    ok(run("train", *args, "--set", "output.checkpoint_every=20", "--run-dir", first))
+    resumed = tmp_path / "resumed"
+    ok(run("train", *args, "--resume", first / "checkpoints" / "step_00000020.pt", "--run-dir", resumed))
+    a = torch.load(sorted((whole / "checkpoints").glob("step_*.pt"))[-1])
+    b = torch.load(sorted((resumed / "checkpoints").glob("step_*.pt"))[-1])
+    ema_keys = [k for k in a if k.startswith("ema.")]
+    assert ema_keys and all(torch.equal(a[k], b[k]) for k in ema_keys)
+    assert records(whole, "eval")[-1]["ema_accuracy"] == records(resumed, "eval")[-1]["ema_accuracy"]
+    # A checkpoint without an average: the resumed run starts one there.
+    plain = tmp_path / "plain"
+    ok(run("train", "--config", TINY, "--set", "output.checkpoint_every=20", "--set", "output.curves=false",
+           "--run-dir", plain))
+    late = tmp_path / "late"
+    p = ok(run("train", *args, "--resume", plain / "checkpoints" / "step_00000020.pt", "--run-dir", late))
+    assert "has no weight average; train.ema_decay starts one at step 20" in p.stdout
+    assert int(torch.load(sorted((late / "checkpoints").glob("step_*.pt"))[-1])["ema.start_step"]) == 20
