@@ -17,14 +17,8 @@
 #include <fusetrain/ops/simd_avx2.h>
 #include <fusetrain/ops/simd_avx512.h>
 
-#ifdef FUSETRAIN_SIMD_X86
-#define FUSETRAIN_SIMD_ISA avx2
-#include "unscale_loops.inc"
-#undef FUSETRAIN_SIMD_ISA
-#define FUSETRAIN_SIMD_ISA avx512
-#include "unscale_loops.inc"
-#undef FUSETRAIN_SIMD_ISA
-#endif
+#define FUSETRAIN_SIMD_LOOPS "unscale_loops.inc"
+#include <fusetrain/ops/simd_each_isa.inc>
 
 namespace fusetrain::ops {
 

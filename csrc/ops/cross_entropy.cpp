@@ -166,14 +166,8 @@ float exp_scalar(float v) { return std::exp(v); }
 
 // ------------------------------------------------------------ vector rows
 
-#ifdef FUSETRAIN_SIMD_X86
-#define FUSETRAIN_SIMD_ISA avx2
-#include "cross_entropy_loops.inc"
-#undef FUSETRAIN_SIMD_ISA
-#define FUSETRAIN_SIMD_ISA avx512
-#include "cross_entropy_loops.inc"
-#undef FUSETRAIN_SIMD_ISA
-#endif
+#define FUSETRAIN_SIMD_LOOPS "cross_entropy_loops.inc"
+#include <fusetrain/ops/simd_each_isa.inc>
 
 namespace fusetrain::ops {
 namespace {

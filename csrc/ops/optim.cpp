@@ -265,14 +265,8 @@ using SgdFn = void (*)(void*, void*, void*, float*, int64_t, const SgdLaneScalar
 }  // namespace
 }  // namespace fusetrain::ops
 
-#ifdef FUSETRAIN_SIMD_X86
-#define FUSETRAIN_SIMD_ISA avx2
-#include "optim_loops.inc"
-#undef FUSETRAIN_SIMD_ISA
-#define FUSETRAIN_SIMD_ISA avx512
-#include "optim_loops.inc"
-#undef FUSETRAIN_SIMD_ISA
-#endif
+#define FUSETRAIN_SIMD_LOOPS "optim_loops.inc"
+#include <fusetrain/ops/simd_each_isa.inc>
 
 namespace fusetrain::ops {
 namespace {

@@ -16,9 +16,8 @@
 // an inline function of a header parsed inside one would be compiled for
 // that ISA and could be picked by the linker for a caller on a lesser CPU.
 //
-//   #define FUSETRAIN_SIMD_ISA avx512
-//   #include "optim_loops.inc"   // FUSETRAIN_SIMD_BEGIN ... FUSETRAIN_SIMD_END
-//   #undef FUSETRAIN_SIMD_ISA
+//   #define FUSETRAIN_SIMD_LOOPS "optim_loops.inc"  // FUSETRAIN_SIMD_BEGIN ... END inside
+//   #include <fusetrain/ops/simd_each_isa.inc>    // once with avx2, once with avx512
 #pragma once
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
