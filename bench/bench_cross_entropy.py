@@ -35,13 +35,13 @@ DTYPE = torch.bfloat16
 MIB = 1 << 20
 
 
-def make_inputs(ctx: Context, n: int):
+def make_inputs(ctx: Context, n: int, dtype: torch.dtype = DTYPE):
     g = torch.Generator().manual_seed(0)
     # Generated in chunks: an fp32 N x C staging copy would be the very
     # buffer this benchmark is about.
-    x = torch.empty(n, C, dtype=DTYPE, device=ctx.device)
+    x = torch.empty(n, C, dtype=dtype, device=ctx.device)
     for i in range(0, n, 1024):
-        x[i : i + 1024] = (torch.randn(min(1024, n - i), C, generator=g) * 3.0).to(DTYPE)
+        x[i : i + 1024] = (torch.randn(min(1024, n - i), C, generator=g) * 3.0).to(dtype)
     t = torch.randint(0, C, (n,), generator=g)
     t[::50] = -100  # a few padding positions, as in language-model batches
     return x.requires_grad_(), t.to(ctx.device)
@@ -75,14 +75,14 @@ def peak_extra_mib(ctx: Context, fn) -> float:
     return (torch.cuda.max_memory_allocated(ctx.device) - base) / MIB
 
 
-def bench_forward_backward(ctx: Context) -> dict:
+def bench_forward_backward(ctx: Context, dtype: torch.dtype = DTYPE) -> dict:
     n = ROWS[ctx.device.type]
-    x, t = make_inputs(ctx, n)
+    x, t = make_inputs(ctx, n, dtype)
     fns = {
         "ours": step_fn(fusetrain.nn.functional.softmax_cross_entropy, x, t),
         "torch": step_fn(F.cross_entropy, x, t),
     }
-    copy_fn, copy_bytes = copy_variant(ctx, n * C, DTYPE)
+    copy_fn, copy_bytes = copy_variant(ctx, n * C, dtype)
     fns["copy"] = copy_fn
     # A CPU call takes about a second: a few repeats say enough.
     repeats = ctx.repeats if ctx.is_cuda else (3 if ctx.quick else 7)
@@ -91,13 +91,14 @@ def bench_forward_backward(ctx: Context) -> dict:
                        warmup=warmup, repeats=repeats)
 
     ours_s, torch_s, copy_s = (median(times[k]) for k in ("ours", "torch", "copy"))
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[dtype]
     logits_bytes = n * C * x.element_size()
     moved = 3 * logits_bytes  # forward read, backward read, gradient write
     copy_gbps = gbps(copy_bytes, copy_s)
     rate = gbps(moved, ours_s)
     floor_ms = moved / (copy_gbps * 1e9) * 1e3
     notes = (
-        f"N={n} C={C} bf16, {ctx.threads} threads; ours {rate:.0f} GB/s = {rate / copy_gbps:.0%} of copy "
+        f"N={n} C={C} {name}, {ctx.threads} threads; ours {rate:.0f} GB/s = {rate / copy_gbps:.0%} of copy "
         f"({copy_gbps:.0f} GB/s, floor {floor_ms:.1f} ms)"
     )
     extra = {}
@@ -110,7 +111,7 @@ def bench_forward_backward(ctx: Context) -> dict:
         )
         extra = {"peak_extra_mib_ours": mem["ours"], "peak_extra_mib_torch": mem["torch"], "logits_mib": logits_mib}
     return result(
-        f"cross-entropy fwd+bwd, bf16 {n}x{C}",
+        f"cross-entropy fwd+bwd, {name} {n}x{C}",
         ours=ours_s * 1e3,
         torch_=torch_s * 1e3,
         unit="ms",
@@ -128,7 +129,11 @@ def bench_forward_backward(ctx: Context) -> dict:
 
 
 def run(ctx: Context) -> list:
-    return [bench_forward_backward(ctx)]
+    rows = [bench_forward_backward(ctx)]
+    if not ctx.is_cuda and not ctx.quick:
+        # issue 14: within 2x of the memory floor for fp32 too on a CPU.
+        rows.append(bench_forward_backward(ctx, torch.float32))
+    return rows
 
 
 if __name__ == "__main__":
