@@ -175,6 +175,8 @@ const std::vector<KeySpec>& config_schema() {
       key("model.channels", K::kIntList, "16,32",
           "cnn: output channels of each block (3x3 conv, batch norm, ReLU, 2x2 max pool)", {}, 1,
           4096),
+      key("model.convs_per_block", K::kInt, "1",
+          "cnn: 3x3 conv + batch norm + ReLU layers in each block before its pooling", {}, 1, 16),
       key("model.hidden", K::kIntList, "128",
           "mlp: hidden layer sizes; cnn: fully connected layers before the head", {}, 1, 65536),
       key("model.dropout", K::kFloat, "0", "dropout before the head (mlp, cnn) and in gpt", {},

@@ -75,14 +75,17 @@ class CnnImpl : public ModelImpl {
  public:
   CnnImpl(const Config& c, const Dataset& d) {
     int64_t in = d.input_shape[0], h = d.input_shape[1], w = d.input_shape[2];
+    const int64_t convs = c.get_int("model.convs_per_block");
     for (int64_t ch : c.get_int_list("model.channels")) {
       if (h < 2 || w < 2) {
         throw c.error("model.channels", "too many pooling blocks for " + std::to_string(d.input_shape[1]) +
                                             "x" + std::to_string(d.input_shape[2]) + " images");
       }
-      features_->push_back(nn::Conv2d(nn::Conv2dOptions(in, ch, 3).padding(1).bias(false)));
-      features_->push_back(nn::BatchNorm2d(ch));
-      features_->push_back(nn::ReLU());
+      for (int64_t k = 0; k < convs; ++k) {
+        features_->push_back(nn::Conv2d(nn::Conv2dOptions(k == 0 ? in : ch, ch, 3).padding(1).bias(false)));
+        features_->push_back(nn::BatchNorm2d(ch));
+        features_->push_back(nn::ReLU());
+      }
       features_->push_back(nn::MaxPool2d(2));
       in = ch, h /= 2, w /= 2;
     }

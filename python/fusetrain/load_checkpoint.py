@@ -114,17 +114,20 @@ class Mlp(nn.Module):
 
 
 class Cnn(nn.Module):
-    """The trainer's ``cnn``: per channel count a block of 3x3 conv (no bias),
-    batch norm, ReLU and 2x2 max pooling; then flatten, [linear, ReLU] per
-    hidden size, optional dropout, and the head."""
+    """The trainer's ``cnn``: per channel count a block of ``convs_per_block``
+    x [3x3 conv (no bias), batch norm, ReLU] and 2x2 max pooling; then
+    flatten, [linear, ReLU] per hidden size, optional dropout, and the head."""
 
     def __init__(self, input_shape: List[int], channels: List[int], hidden: List[int], dropout: float,
-                 classes: int):
+                 classes: int, convs_per_block: int = 1):
         super().__init__()
         c, h, w = input_shape
         features: List[nn.Module] = []
         for ch in channels:
-            features += [nn.Conv2d(c, ch, 3, padding=1, bias=False), nn.BatchNorm2d(ch), nn.ReLU(), nn.MaxPool2d(2)]
+            for k in range(convs_per_block):
+                features += [nn.Conv2d(c if k == 0 else ch, ch, 3, padding=1, bias=False), nn.BatchNorm2d(ch),
+                             nn.ReLU()]
+            features.append(nn.MaxPool2d(2))
             c, h, w = ch, h // 2, w // 2
         self.features = nn.Sequential(*features)
         self.classifier, n = _dense_stack(c * h * w, hidden, dropout)
@@ -274,7 +277,7 @@ def build_model(config, input_shape: Optional[List[int]] = None,
         return Mlp(shape, _as_list(model["hidden"]), float(model["dropout"]), classes)
     if model["name"] == "cnn":
         return Cnn(shape, _as_list(model["channels"]), _as_list(model["hidden"]),
-                   float(model["dropout"]), classes)
+                   float(model["dropout"]), classes, int(model.get("convs_per_block", 1)))
     if model["name"] == "resnet":
         return ResNet(shape, int(model["depth"]), int(model["width"]), classes)
     raise NotImplementedError(f"load_model does not know the model {model['name']!r}")
