@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -301,9 +302,9 @@ SgdFn sgd_fn_for(at::ScalarType param, bool master, bool unscale, bool decay, bo
   return nullptr;
 }
 
-// The vector sum of squares of a float, half or bfloat16 span, or -1 where
-// the scalar loop must run.
-double vector_sum_squares(at::ScalarType dtype, const void* x, int64_t n) {
+// The vector sum of squares of a float, half or bfloat16 span; none where the
+// scalar loop must run.
+std::optional<double> vector_sum_squares(at::ScalarType dtype, const void* x, int64_t n) {
 #ifdef FUSETRAIN_SIMD_X86
   if (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16) {
     switch (cpu_path()) {
@@ -316,7 +317,7 @@ double vector_sum_squares(at::ScalarType dtype, const void* x, int64_t n) {
     }
   }
 #endif
-  return -1.0;
+  return std::nullopt;
 }
 
 void fused_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
@@ -498,11 +499,10 @@ std::tuple<at::Tensor, at::Tensor> l2norm_cpu(at::TensorList tensors, bool per_t
     for (int64_t k = lo; k < hi; ++k) {
       const Chunk& c = chunks[k];
       const at::Tensor& t = dense[c.tensor];
-      const double vec = vector_sum_squares(
-          t.scalar_type(), static_cast<const char*>(t.const_data_ptr()) + c.begin * t.element_size(),
-          c.end - c.begin);
-      if (vec >= 0.0) {
-        partial[k] = vec;
+      if (const std::optional<double> vec = vector_sum_squares(
+              t.scalar_type(), static_cast<const char*>(t.const_data_ptr()) + c.begin * t.element_size(),
+              c.end - c.begin)) {
+        partial[k] = *vec;
         continue;
       }
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), kNormOp, [&] {
