@@ -4,6 +4,7 @@
 #include <fusetrain/ops/amp.h>
 #include <fusetrain/ops/checks.h>
 #include <fusetrain/ops/cpu_features.h>
+#include <fusetrain/ops/generic.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -125,7 +126,6 @@ bool unscale_span(T* x, int64_t n, float inv, bool scale) {
   }
 }
 
-
 bool unscale_span_dispatch(const at::Tensor& t, int64_t begin, int64_t end, float inv, bool scale) {
 #ifdef FUSETRAIN_SIMD_X86
   const at::ScalarType dtype = t.scalar_type();
@@ -136,6 +136,7 @@ bool unscale_span_dispatch(const at::Tensor& t, int64_t begin, int64_t end, floa
         return avx512::unscale_span(dtype, x, end - begin, inv, scale);
       case CpuPath::kAvx2:
         return avx2::unscale_span(dtype, x, end - begin, inv, scale);
+      case CpuPath::kGeneric:  // the op went to generic:: before
       case CpuPath::kScalar:
         break;
     }
@@ -161,6 +162,8 @@ bool unscale_span_dispatch(const at::Tensor& t, int64_t begin, int64_t end, floa
 // walks the tensors its range covers. Many small tensors thus still keep every
 // thread busy, with balanced work and a single parallel region.
 void unscale_cpu(at::TensorList tensors, at::Tensor& found_inf, const at::Tensor& inv_scale) {
+  if (cpu_path() == CpuPath::kGeneric)
+    return generic::non_finite_check_and_unscale_(tensors, found_inf, inv_scale);
   check_unscale_args(tensors, found_inf, inv_scale);
   TORCH_CHECK(found_inf.is_cpu(), kUnscaleOp, ": the CPU kernel got found_inf on ",
               found_inf.device());
@@ -209,6 +212,9 @@ at::Tensor& update_scale_cpu(at::Tensor& scale, at::Tensor& growth_tracker,
                              at::Tensor& overflow_tracker, const at::Tensor& found_inf,
                              double growth_factor, double backoff_factor, int64_t growth_interval,
                              double max_scale, int64_t hysteresis) {
+  if (cpu_path() == CpuPath::kGeneric)
+    return generic::update_scale_(scale, growth_tracker, overflow_tracker, found_inf, growth_factor,
+                                  backoff_factor, growth_interval, max_scale, hysteresis);
   check_update_scale_args(scale, growth_tracker, overflow_tracker, found_inf, growth_factor,
                           backoff_factor, growth_interval, max_scale, hysteresis);
   TORCH_CHECK(scale.is_cpu(), kUpdateOp, ": the CPU kernel got the scale on ", scale.device());

@@ -40,8 +40,8 @@ CpuFeatures detect() {
   const Regs l1 = cpuid(1);
   const bool osxsave = bit(l1.c, 27);
   const uint64_t xcr0 = osxsave ? xgetbv0() : 0;
-  const bool os_ymm = (xcr0 & 0x6) == 0x6;      // SSE and AVX state
-  const bool os_zmm = (xcr0 & 0xe6) == 0xe6;    // + opmask, ZMM_Hi256, Hi16_ZMM
+  const bool os_ymm = (xcr0 & 0x6) == 0x6;           // SSE and AVX state
+  const bool os_zmm = (xcr0 & 0xe6) == 0xe6;         // + opmask, ZMM_Hi256, Hi16_ZMM
   const bool os_tile = (xcr0 & 0x60000) == 0x60000;  // XTILECFG, XTILEDATA
   const Regs l7 = cpuid(7, 0);
   const bool fma = bit(l1.c, 12), f16c = bit(l1.c, 29), avx = bit(l1.c, 28);
@@ -74,7 +74,9 @@ CpuPath decide() {
   if (forced != nullptr && *forced != '\0') {
     const std::string name = forced;
     CpuPath want;
-    if (name == "scalar") {
+    if (name == "generic") {
+      want = CpuPath::kGeneric;
+    } else if (name == "scalar") {
       want = CpuPath::kScalar;
     } else if (name == "avx2") {
       want = CpuPath::kAvx2;
@@ -82,7 +84,7 @@ CpuPath decide() {
       want = CpuPath::kAvx512;
     } else {
       throw std::runtime_error("FUSETRAIN_CPU_PATH=" + name +
-                               ": expected scalar, avx2 or avx512");
+                               ": expected generic, scalar, avx2 or avx512");
     }
     if (static_cast<int>(want) > static_cast<int>(best)) {
       throw std::runtime_error("FUSETRAIN_CPU_PATH=" + name + ": this CPU (" +
@@ -120,6 +122,8 @@ CpuPath cpu_path() {
 
 const char* cpu_path_name(CpuPath path) {
   switch (path) {
+    case CpuPath::kGeneric:
+      return "generic";
     case CpuPath::kScalar:
       return "scalar";
     case CpuPath::kAvx2:

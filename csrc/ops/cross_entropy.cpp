@@ -13,6 +13,7 @@
 #include <fusetrain/ops/checks.h>
 #include <fusetrain/ops/cpu_features.h>
 #include <fusetrain/ops/cross_entropy.h>
+#include <fusetrain/ops/generic.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
@@ -191,6 +192,7 @@ RowLoops<T> row_loops() {
     case CpuPath::kAvx2:
       return {&avx2::row_stats<false, T>, &avx2::row_stats<true, T>, &avx2::row_grad<T>,
               &avx2::exp_one};
+    case CpuPath::kGeneric:  // the op went to generic:: before
     case CpuPath::kScalar:
       break;
   }
@@ -339,6 +341,9 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& logits_in,
                                                const at::Tensor& target_in, int64_t ignore_index,
                                                double label_smoothing,
                                                c10::string_view reduction_view) {
+  if (cpu_path() == CpuPath::kGeneric)
+    return generic::softmax_cross_entropy_forward(logits_in, target_in, ignore_index,
+                                                  label_smoothing, reduction_view);
   const std::string reduction(reduction_view);
   check_cross_entropy_forward_args(logits_in, target_in, label_smoothing, reduction);
   const Reduction red = parse_reduction(reduction, kForwardOp);
@@ -388,6 +393,9 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& logits_in,
 at::Tensor backward_cpu(const at::Tensor& grad_loss_in, const at::Tensor& logits_in,
                         const at::Tensor& target_in, const at::Tensor& lse_in, int64_t ignore_index,
                         double label_smoothing, c10::string_view reduction_view) {
+  if (cpu_path() == CpuPath::kGeneric)
+    return generic::softmax_cross_entropy_backward(grad_loss_in, logits_in, target_in, lse_in,
+                                                   ignore_index, label_smoothing, reduction_view);
   const std::string reduction(reduction_view);
   check_cross_entropy_backward_args(grad_loss_in, logits_in, target_in, lse_in, label_smoothing,
                                     reduction);

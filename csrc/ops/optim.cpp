@@ -9,6 +9,7 @@
 // before the parallel region.
 #include <fusetrain/ops/checks.h>
 #include <fusetrain/ops/cpu_features.h>
+#include <fusetrain/ops/generic.h>
 #include <fusetrain/ops/optim.h>
 
 #include <ATen/Parallel.h>
@@ -42,8 +43,8 @@ void check_optional_scalar(const std::optional<at::Tensor>& t, const at::Tensor&
 
 // `list` holds one tensor per parameter (or none when `allow_empty`), each
 // laid out like its parameter so that flat element i matches element i.
-void check_state_list(at::TensorList params, at::TensorList list, const char* op,
-                      const char* name, std::optional<at::ScalarType> dtype, bool allow_empty) {
+void check_state_list(at::TensorList params, at::TensorList list, const char* op, const char* name,
+                      std::optional<at::ScalarType> dtype, bool allow_empty) {
   if (allow_empty && list.empty()) return;
   TORCH_CHECK(list.size() == params.size(), op, ": ", name, " has ", list.size(),
               " tensors but params has ", params.size());
@@ -55,8 +56,8 @@ void check_state_list(at::TensorList params, at::TensorList list, const char* op
                 " but params[", i, "] is on ", p.device());
     TORCH_CHECK(t.sizes() == p.sizes(), op, ": ", name, "[", i, "] has shape ", t.sizes(),
                 " but params[", i, "] has shape ", p.sizes());
-    TORCH_CHECK(t.strides() == p.strides(), op, ": ", name, "[", i, "] has strides ",
-                t.strides(), " but params[", i, "] has strides ", p.strides(),
+    TORCH_CHECK(t.strides() == p.strides(), op, ": ", name, "[", i, "] has strides ", t.strides(),
+                " but params[", i, "] has strides ", p.strides(),
                 "; create optimizer state with torch.zeros_like(param)");
     const at::ScalarType want = dtype.value_or(p.scalar_type());
     TORCH_CHECK(t.scalar_type() == want, op, ": ", name, "[", i, "] must be ", want, ", got ",
@@ -176,8 +177,8 @@ bool skip_step(const std::optional<at::Tensor>& found_inf) {
 // ------------------------------------------------------------------ AdamW
 
 struct AdamTensorConsts {
-  double step_size;       // lr / (1 - beta1^step)
-  double bc2_sqrt;        // sqrt(1 - beta2^step)
+  double step_size;  // lr / (1 - beta1^step)
+  double bc2_sqrt;   // sqrt(1 - beta2^step)
 };
 
 template <typename P, typename S>
@@ -235,8 +236,7 @@ struct AdamLaneScalars {
 // pointers to the chunk's first element).
 using AdamFn = void (*)(void*, void*, void*, void*, void*, float*, int64_t, const AdamLaneScalars&);
 
-AdamLaneScalars adam_lane_scalars(const AdamHyper& h, const AdamTensorConsts& c,
-                                  float grad_scale) {
+AdamLaneScalars adam_lane_scalars(const AdamHyper& h, const AdamTensorConsts& c, float grad_scale) {
   const bool l2 = !h.decoupled_weight_decay && h.weight_decay != 0;
   const bool decoupled = h.decoupled_weight_decay && h.weight_decay != 0;
   AdamLaneScalars s;
@@ -280,6 +280,7 @@ AdamFn adam_fn_for(at::ScalarType param, bool master, bool amsgrad, bool l2, boo
       return avx512::adam_fn(param, master, amsgrad, l2, unscale);
     case CpuPath::kAvx2:
       return avx2::adam_fn(param, master, amsgrad, l2, unscale);
+    case CpuPath::kGeneric:  // the op went to generic:: before
     case CpuPath::kScalar:
       break;
   }
@@ -295,6 +296,7 @@ SgdFn sgd_fn_for(at::ScalarType param, bool master, bool unscale, bool decay, bo
       return avx512::sgd_fn(param, master, unscale, decay, has_buf, first, nesterov);
     case CpuPath::kAvx2:
       return avx2::sgd_fn(param, master, unscale, decay, has_buf, first, nesterov);
+    case CpuPath::kGeneric:  // the op went to generic:: before
     case CpuPath::kScalar:
       break;
   }
@@ -312,6 +314,7 @@ std::optional<double> vector_sum_squares(at::ScalarType dtype, const void* x, in
         return avx512::sum_squares(dtype, x, n);
       case CpuPath::kAvx2:
         return avx2::sum_squares(dtype, x, n);
+      case CpuPath::kGeneric:  // the op went to generic:: before
       case CpuPath::kScalar:
         break;
     }
@@ -328,12 +331,16 @@ void fused_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList
                      const std::optional<at::Tensor>& grad_scale,
                      const std::optional<at::Tensor>& found_inf,
                      const std::optional<at::Tensor>& lr_tensor) {
+  if (cpu_path() == CpuPath::kGeneric)
+    return generic::fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                                 master_params, state_steps, lr, beta1, beta2, weight_decay, eps,
+                                 amsgrad, maximize, decoupled_weight_decay, grad_scale, found_inf,
+                                 lr_tensor);
   check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params,
                    state_steps, amsgrad, grad_scale, found_inf, lr_tensor);
   if (skip_step(found_inf)) return;
   lr = resolve_lr(lr, lr_tensor);
-  const AdamHyper h{lr, beta1, beta2, weight_decay, eps, amsgrad, maximize,
-                    decoupled_weight_decay};
+  const AdamHyper h{lr, beta1, beta2, weight_decay, eps, amsgrad, maximize, decoupled_weight_decay};
   std::vector<AdamTensorConsts> consts(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     float* step = state_steps[i].data_ptr<float>();
@@ -349,7 +356,8 @@ void fused_adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList
   if (const AdamFn fn = adam_fn_for(params[0].scalar_type(), master, amsgrad, l2, unscale)) {
     std::vector<AdamLaneScalars> lanes;
     lanes.reserve(params.size());
-    for (size_t i = 0; i < params.size(); ++i) lanes.push_back(adam_lane_scalars(h, consts[i], scale));
+    for (size_t i = 0; i < params.size(); ++i)
+      lanes.push_back(adam_lane_scalars(h, consts[i], scale));
     at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
       for (int64_t k = lo; k < hi; ++k) {
         const Chunk& c = chunks[k];
@@ -419,6 +427,10 @@ void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList m
                    const std::optional<at::Tensor>& grad_scale,
                    const std::optional<at::Tensor>& found_inf,
                    const std::optional<at::Tensor>& lr_tensor) {
+  if (cpu_path() == CpuPath::kGeneric)
+    return generic::fused_sgd_(params, grads, momentum_buffers, master_params, lr, momentum,
+                               dampening, weight_decay, nesterov, maximize, is_first_step,
+                               grad_scale, found_inf, lr_tensor);
   check_sgd_args(params, grads, momentum_buffers, master_params, momentum, grad_scale, found_inf,
                  lr_tensor);
   if (skip_step(found_inf)) return;
@@ -430,7 +442,7 @@ void fused_sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList m
   const bool has_buf = !momentum_buffers.empty();
   const std::vector<Chunk> chunks = make_chunks(params);
   if (const SgdFn fn = sgd_fn_for(params[0].scalar_type(), master, unscale, weight_decay != 0,
-                                 has_buf, is_first_step, nesterov)) {
+                                  has_buf, is_first_step, nesterov)) {
     SgdLaneScalars s;
     s.grad_scale = scale;
     s.grad_sign = maximize ? -1.f : 1.f;
@@ -483,9 +495,11 @@ double sum_squares(const T* x, int64_t n) {
 }
 
 std::tuple<at::Tensor, at::Tensor> l2norm_cpu(at::TensorList tensors, bool per_tensor) {
+  if (cpu_path() == CpuPath::kGeneric) return generic::multi_tensor_l2norm(tensors, per_tensor);
   const auto out_opts = at::TensorOptions().dtype(at::kFloat);
   if (tensors.empty()) {
-    return {at::zeros({}, out_opts), per_tensor ? at::zeros({0}, out_opts) : at::empty({0}, out_opts)};
+    return {at::zeros({}, out_opts),
+            per_tensor ? at::zeros({0}, out_opts) : at::empty({0}, out_opts)};
   }
   check_float_list(tensors, tensors[0].device(), kNormOp, "tensors");
   std::vector<at::Tensor> dense;
@@ -500,7 +514,8 @@ std::tuple<at::Tensor, at::Tensor> l2norm_cpu(at::TensorList tensors, bool per_t
       const Chunk& c = chunks[k];
       const at::Tensor& t = dense[c.tensor];
       if (const std::optional<double> vec = vector_sum_squares(
-              t.scalar_type(), static_cast<const char*>(t.const_data_ptr()) + c.begin * t.element_size(),
+              t.scalar_type(),
+              static_cast<const char*>(t.const_data_ptr()) + c.begin * t.element_size(),
               c.end - c.begin)) {
         partial[k] = *vec;
         continue;
@@ -610,8 +625,8 @@ void fused_adamw_(at::TensorList params, at::TensorList grads, at::TensorList ex
                       double, double, bool, bool, bool, const std::optional<at::Tensor>&,
                       const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
   op.call(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, master_params, state_steps, h.lr,
-          h.beta1, h.beta2, h.weight_decay, h.eps, h.amsgrad, h.maximize,
-          h.decoupled_weight_decay, grad_scale, found_inf, lr_tensor);
+          h.beta1, h.beta2, h.weight_decay, h.eps, h.amsgrad, h.maximize, h.decoupled_weight_decay,
+          grad_scale, found_inf, lr_tensor);
 }
 
 void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
@@ -619,13 +634,12 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
                 const std::optional<at::Tensor>& grad_scale,
                 const std::optional<at::Tensor>& found_inf,
                 const std::optional<at::Tensor>& lr_tensor) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow(kSgdOp, "")
-                       .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
-                                   double, double, double, double, bool, bool, bool,
-                                   const std::optional<at::Tensor>&,
-                                   const std::optional<at::Tensor>&,
-                                   const std::optional<at::Tensor>&)>();
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow(kSgdOp, "")
+          .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList, double,
+                      double, double, double, bool, bool, bool, const std::optional<at::Tensor>&,
+                      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
   op.call(params, grads, momentum_buffers, master_params, h.lr, h.momentum, h.dampening,
           h.weight_decay, h.nesterov, h.maximize, is_first_step, grad_scale, found_inf, lr_tensor);
 }
