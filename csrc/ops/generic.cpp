@@ -64,6 +64,20 @@ void assign(const at::Tensor& dst, const at::Tensor& value, const std::optional<
   }
 }
 
+// A step's gradient in the math type: divided by `scale` (the quotient
+// written back to `grad`, as torch's fused optimizers leave p.grad), then
+// negated for `maximize`.
+at::Tensor step_gradient(const at::Tensor& grad, at::ScalarType math,
+                         const std::optional<at::Tensor>& scale, bool maximize,
+                         const std::optional<at::Tensor>& skip) {
+  at::Tensor g = grad.to(math);
+  if (scale.has_value()) {
+    g = g.div(*scale);
+    assign(grad, g, skip);
+  }
+  return maximize ? g.neg() : g;
+}
+
 }  // namespace
 
 // ------------------------------------------------------- loss-scale ops
@@ -158,12 +172,7 @@ void fused_adamw_(at::TensorList params, at::TensorList grads, at::TensorList ex
     const at::Tensor step_size = lr_w.div(at::rsub(at::pow(beta1, step_w), 1)).to(M);
     const at::Tensor bc2_sqrt = at::sqrt(at::rsub(at::pow(beta2, step_w), 1)).to(M);
 
-    at::Tensor grad = grads[i].to(M);
-    if (scale.has_value()) {
-      grad = grad.div(*scale);
-      assign(grads[i], grad, skip);
-    }
-    if (maximize) grad = grad.neg();
+    at::Tensor grad = step_gradient(grads[i], M, scale, maximize, skip);
     at::Tensor param = master ? master_params[i] : params[i].to(M);
     if (weight_decay != 0) {
       if (decoupled_weight_decay) {
@@ -206,12 +215,7 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
   const at::Tensor lr_m = given(lr_tensor) ? lr_tensor->reshape({}).to(M)
                                            : at::scalar_tensor(lr, params[0].options().dtype(M));
   for (size_t i = 0; i < params.size(); ++i) {
-    at::Tensor grad = grads[i].to(M);
-    if (scale.has_value()) {
-      grad = grad.div(*scale);
-      assign(grads[i], grad, skip);
-    }
-    if (maximize) grad = grad.neg();
+    at::Tensor grad = step_gradient(grads[i], M, scale, maximize, skip);
     at::Tensor param = master ? master_params[i] : params[i].to(M);
     if (weight_decay != 0) grad = grad.add(param.mul(weight_decay));
     if (has_buf) {
