@@ -185,6 +185,20 @@ OPTIM_SCRIPT = textwrap.dedent(
 
     SIZES = (1, 7, 33, 1025, 40000)  # tails, and more than one chunk
 
+    def lr_tensor_of(kind):
+        if kind == "float":
+            return None
+        return torch.tensor([3e-3], dtype=torch.float64 if kind == "tensor64" else torch.float32)
+
+    def step_grads(params, g, unscale):
+        return [(torch.randn(p.shape, generator=g) * (1024.0 if unscale else 1.0)).to(p.dtype)
+                for p in params]
+
+    def scaler_args(unscale, skip, step):
+        # What GradScaler hands a fused optimizer; with `skip`, step 1 overflowed.
+        return {"grad_scale": torch.tensor([1024.0]) if unscale else None,
+                "found_inf": torch.tensor([1.0 if step == 1 else 0.0]) if skip else None}
+
     def adam_run(generic, dtype, master, amsgrad, maximize, decoupled, wd, unscale, skip, lr_kind):
         g = torch.Generator().manual_seed(3)
         params = [torch.randn(n, generator=g).to(dtype) for n in SIZES]
@@ -195,18 +209,14 @@ OPTIM_SCRIPT = textwrap.dedent(
         vmax = [x.clone() * 1.5 for x in v] if amsgrad else []
         steps = [torch.tensor([float(k)]) for k in range(len(params))]
         lr = 1e-2
-        lr_tensor = None if lr_kind == "float" else torch.tensor(
-            [3e-3], dtype=torch.float64 if lr_kind == "tensor64" else torch.float32)
+        lr_tensor = lr_tensor_of(lr_kind)
         out = []
         for step in range(3):
-            grads = [(torch.randn(p.shape, generator=g) * (1024.0 if unscale else 1.0)).to(dtype)
-                     for p in params]
+            grads = step_grads(params, g, unscale)
             call("fused_adamw_", generic, params, grads, m, v, vmax, masters, steps, lr=lr,
                  beta1=0.9, beta2=0.999, weight_decay=wd, eps=1e-8, amsgrad=amsgrad,
                  maximize=maximize, decoupled_weight_decay=decoupled,
-                 grad_scale=torch.tensor([1024.0]) if unscale else None,
-                 found_inf=torch.tensor([1.0 if skip and step == 1 else 0.0]) if skip else None,
-                 lr_tensor=lr_tensor)
+                 lr_tensor=lr_tensor, **scaler_args(unscale, skip, step))
             out.append(grads)
         return [params, masters, m, v, vmax, steps] + out
 
@@ -217,17 +227,13 @@ OPTIM_SCRIPT = textwrap.dedent(
         masters = [p.float() + 1e-3 * torch.randn(p.shape, generator=g) for p in params] if master else []
         state_dtype = torch.float32 if master else dtype
         bufs = [torch.zeros(p.shape, dtype=state_dtype) for p in params] if momentum else []
-        lr_tensor = None if lr_kind == "float" else torch.tensor(
-            [3e-3], dtype=torch.float64 if lr_kind == "tensor64" else torch.float32)
+        lr_tensor = lr_tensor_of(lr_kind)
         out = []
         for step in range(3):
-            grads = [(torch.randn(p.shape, generator=g) * (1024.0 if unscale else 1.0)).to(dtype)
-                     for p in params]
+            grads = step_grads(params, g, unscale)
             call("fused_sgd_", generic, params, grads, bufs, masters, lr=1e-2, momentum=momentum,
                  dampening=dampening, weight_decay=wd, nesterov=nesterov, maximize=maximize,
-                 is_first_step=step == 0, grad_scale=torch.tensor([1024.0]) if unscale else None,
-                 found_inf=torch.tensor([1.0 if skip and step == 1 else 0.0]) if skip else None,
-                 lr_tensor=lr_tensor)
+                 is_first_step=step == 0, lr_tensor=lr_tensor, **scaler_args(unscale, skip, step))
             out.append(grads)
         return [params, masters, bufs] + out
 
