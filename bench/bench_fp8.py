@@ -50,8 +50,8 @@ Every row's ratio is "times faster than bf16" (bf16 time / float8 time, or
 float8 tokens/s over bf16's). Float8 needs CUDA compute capability >= 8.9;
 on an older GPU the module prints why and has no rows.
 
-On the CPU (no CUDA) everything runs at smoke sizes through torch's CPU
-``_scaled_mm`` (M = K = N = 64, a 64-wide block and GPT, a few calls): rows
+On the CPU (no CUDA) everything runs at smoke sizes (the GEMM row through
+torch's CPU ``_scaled_mm``, the layers through their fp32 CPU path; M = K = N = 64, a 64-wide block and GPT, a few calls): rows
 marked "(CPU smoke)" that exercise the code paths; the figures mean nothing.
 
 Parts can be skipped: ``bench/bench_fp8.py --skip sweep --skip gpt``

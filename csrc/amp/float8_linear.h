@@ -35,12 +35,12 @@ constexpr int64_t kDefaultFp8MinFeatures = 1024;
 /// and multiples of 16 (the shapes torch._scaled_mm takes on CUDA).
 bool float8_eligible(int64_t in_features, int64_t out_features, int64_t min_features);
 
-/// Throws c10::Error unless `device` has float8 GEMMs: the CPU (torch's
-/// reference _scaled_mm) or a CUDA GPU of compute capability >= 8.9. The
+/// Throws c10::Error unless `device` has float8 GEMMs: the CPU (float32 GEMMs
+/// of the upcast operands) or a CUDA GPU of compute capability >= 8.9. The
 /// message names the GPU and its capability.
 void check_float8_device(const c10::Device& device);
 
-/// torch::nn::Linear with float8 GEMMs through at::_scaled_mm: input and
+/// torch::nn::Linear with float8 GEMMs (at::_scaled_mm on CUDA): input and
 /// weight in e4m3 in the forward, the output gradient in e5m2 in the
 /// backward, fp32 accumulation; the weight gradient is fp32. Parameters
 /// "weight" [out, in] and "bias" [out] as torch::nn::Linear (same

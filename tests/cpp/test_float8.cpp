@@ -71,6 +71,25 @@ TEST_CASE("Float8Linear's GEMMs are float64 products of the quantised operands",
   CHECK(torch::allclose(layer->bias.grad(), g.reshape({-1, 32}).sum(0), 1e-6, 1e-9));
 }
 
+TEST_CASE("Float8Linear's weight gradient is an fp32 GEMM under autocast", "[float8]") {
+  // A CPU mm left under bf16 autocast would round it to bf16 (2^-9, not 2^-24).
+  torch::manual_seed(1);
+  Float8Linear layer(64, 32, /*bias=*/true, recipe("current"));
+  const at::Tensor x = torch::randn({16, 64}) * 3;
+  const at::Tensor g = (torch::randn({16, 32}) * 1e-2).to(at::kBFloat16);
+  {
+    const fusetrain::amp::AutocastGuard autocast(c10::DeviceType::CPU,
+                                                 fusetrain::amp::Policy("mixed_float8"));
+    const at::Tensor y = layer->forward(x);
+    REQUIRE(y.scalar_type() == at::kBFloat16);
+    y.backward(g);  // the backward pass under autocast as well
+  }
+  const at::Tensor xq = dequantized(x, at::kFloat8_e4m3fn, layer->fp8_scale[0].item<float>());
+  const at::Tensor gq = dequantized(g, at::kFloat8_e5m2, layer->fp8_scale[2].item<float>());
+  REQUIRE(layer->weight.grad().scalar_type() == at::kFloat);
+  CHECK(within(layer->weight.grad(), gq.t().mm(xq), gemm_bound(gq.t(), xq)));
+}
+
 TEST_CASE("Float8Linear: delayed scaling seeds its history, then uses it", "[float8]") {
   torch::manual_seed(0);
   Float8Linear layer(32, 16, true, recipe("delayed", 3));

@@ -282,11 +282,18 @@ def test_float8_linear_error_is_within_the_e4m3_e5m2_bound_and_above_bf16s():
     assert err.mean() > 2 * err_bf16.mean()
 
     g = torch.randn(64, 64)
-    y.backward(g.bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y.backward(g.bfloat16())  # inside autocast, as many training loops call it
     sg = layer.fp8_scale[2].item()
     exact_gx = g.double() @ layer.weight.double()
     gx_bound = quantization_bound(g.double(), layer.weight.double().t(), sg, sw, E5M2, E4M3)
     assert ((x.grad.double() - exact_gx).abs() <= gx_bound + 2.0**-24 * exact_gx.abs() + 1e-6).all()
+    # Both gradients are fp32 GEMMs of the float8 operands under autocast too
+    # (a CPU mm left under autocast would round them to bf16).
+    gq = dequantized(g.bfloat16(), E5M2, sg)
+    xq = dequantized(x, E4M3, sx)
+    assert layer.weight.grad.dtype == torch.float32
+    assert ((layer.weight.grad.double() - gq.t() @ xq).abs() <= gemm_bound(gq.t(), xq)).all()
 
 
 def test_the_weight_gradient_carries_an_overflow_to_the_scaler():
