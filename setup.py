@@ -109,5 +109,9 @@ setup(
     options={"build": {"build_base": str(STAGING)}, "egg_info": {"egg_base": str(STAGING)}},
     python_requires=">=3.10",
     install_requires=["torch==2.11.*"],
+    # `pip install "fusetrain[tpu]"`: torch's TPU backend (device "tpu"),
+    # built for torch 2.11 and later; fusetrain's ops run on it through their
+    # device-generic kernels. Not installed or run where fusetrain is built.
+    extras_require={"tpu": ["torch-tpu"]},
     zip_safe=False,
 )

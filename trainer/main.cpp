@@ -12,6 +12,7 @@
 #include "evaluate.h"
 #include "launch.h"
 #include "torchscript_model.h"
+#include "tpu.h"
 #include "train.h"
 
 #include <ATen/Parallel.h>
@@ -131,6 +132,14 @@ int run_info() {
   if (torch::cuda::is_available()) {
     const fusetrain::amp::Policy gpu = fusetrain::amp::best_policy(c10::DeviceType::CUDA);
     std::cout << "precision.policy auto on cuda: " << gpu.name() << " (" << gpu.reason() << ")\n";
+  }
+  if (const auto tpu = ft::find_torch_tpu()) {
+    std::cout << "TPU: torch_tpu " << (tpu->version.empty() ? "(version unknown)" : tpu->version)
+              << " at " << tpu->path
+              << " (train on a TPU from Python: fusetrain's ops run there through their "
+                 "device-generic kernels; this trainer runs on cpu and cuda)\n";
+  } else {
+    std::cout << "TPU: no (torch_tpu not installed beside torch: pip install \"fusetrain[tpu]\")\n";
   }
   return 0;
 }

@@ -69,9 +69,11 @@ std::vector<at::Tensor> optimizer_grads(torch::optim::Optimizer& optimizer) {
 
 GradScaler::GradScaler(c10::DeviceType device_type, GradScalerOptions options)
     : device_type_(device_type), options_(options), init_scale_(options.init_scale()) {
-  TORCH_CHECK_VALUE(device_type == c10::DeviceType::CPU || device_type == c10::DeviceType::CUDA,
-                    "GradScaler: device must be \"cuda\" or \"cpu\", got \"",
-                    device_name(device_type), "\"");
+  // Any device that holds data, as torch's scaler: CPU and CUDA run our
+  // kernels, any other backend (a TPU through torch_tpu) the generic ops.
+  TORCH_CHECK_VALUE(device_type != c10::DeviceType::Meta,
+                    "GradScaler: device \"meta\" holds no data to scale; construct the scaler "
+                    "for the device the model trains on");
   TORCH_CHECK_VALUE(options.init_scale() > 0, "GradScaler: init_scale must be > 0, got ",
                     options.init_scale());
   TORCH_CHECK_VALUE(options.growth_factor() > 1.0,

@@ -66,8 +66,10 @@ class GradScaler {
   /// Identifies an optimizer across calls within one iteration.
   using OptimizerKey = uintptr_t;
 
-  /// `device_type` is where the scale lives (CUDA or CPU). A CUDA scaler on
-  /// a machine without CUDA warns and disables itself, as torch's does.
+  /// `device_type` is where the scale lives: any device that holds data (CPU
+  /// and CUDA run fusetrain's kernels, other backends the device-generic
+  /// ops); Meta is an error. A CUDA scaler on a machine without CUDA warns
+  /// and disables itself, as torch's does.
   explicit GradScaler(c10::DeviceType device_type = c10::DeviceType::CUDA,
                       GradScalerOptions options = {});
 

@@ -8,9 +8,10 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
 from . import amp, graph, optim, parallel, utils
+from ._devices import devices, tpu_available
 from .graph import fuse_steps
 from . import nn
 
 __version__ = _C.version()
 
-__all__ = ["amp", "fuse_steps", "graph", "nn", "optim", "parallel", "utils", "__version__"]
+__all__ = ["amp", "devices", "fuse_steps", "graph", "nn", "optim", "parallel", "tpu_available", "utils", "__version__"]

@@ -11,7 +11,6 @@ parameters overflowed, and offers ``max_scale`` and ``hysteresis``.
 from __future__ import annotations
 
 import contextlib
-import functools
 import threading
 import warnings
 from collections import abc
@@ -21,6 +20,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 
 from . import _C
+from ._devices import TPU, autocast_device_types, device_type as _device_type
 from .float8 import DEFAULT_FP8_MIN_FEATURES, Float8Linear, Float8Recipe
 
 __all__ = [
@@ -59,24 +59,34 @@ class Policy:
     - ``"mixed_float8"``: ``"mixed_bfloat16"``, plus float8 GEMMs in the
       large ``nn.Linear`` layers that :func:`apply_policy` swaps for
       :class:`Float8Linear` (CUDA compute capability >= 8.9, or the CPU).
-    - ``"auto"``: :func:`best_policy` of the default device (CUDA when one is
-      visible, else the CPU); the policy takes that name, and :attr:`reason`
-      says why.
+    - ``"auto"``: :func:`best_policy` of ``device_type`` (default: CUDA when
+      one is visible, else the CPU); the policy takes that name, and
+      :attr:`reason` says why.
+
+    ``device_type`` (optional: ``"cpu"``, ``"cuda"``, ``"tpu"`` through
+    torch_tpu, any device type torch's autocast supports) is where the policy
+    will run: ``"auto"`` resolves for it, a mixed policy whose compute dtype
+    its autocast lacks is a ``RuntimeError`` now rather than at the first
+    :func:`autocast`, and :func:`autocast` defaults to it.
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, device_type: Optional[str] = None):
         if isinstance(name, Policy):
             self._name, self._reason = name._name, name._reason
-            return
-        if name == "auto":
-            chosen = best_policy()
+            self._device_type = name._device_type
+        elif name == "auto":
+            chosen = best_policy(device_type)
             self._name, self._reason = chosen._name, chosen._reason
-            return
-        if name not in _POLICY_DTYPES:
+            self._device_type = None
+        elif name in _POLICY_DTYPES:
+            self._name, self._reason, self._device_type = name, None, None
+        else:
             valid = ", ".join(f'"{n}"' for n in _POLICY_DTYPES)
             raise ValueError(f'unknown precision policy "{name}"; valid names are {valid} and "auto"')
-        self._name = name
-        self._reason = None
+        if device_type is not None:
+            self._device_type = _device_type(device_type, "Policy")
+            if self.is_mixed:
+                _autocast_checked(self._device_type, self.compute_dtype)
 
     @property
     def name(self) -> str:
@@ -87,6 +97,11 @@ class Policy:
     def reason(self) -> Optional[str]:
         """Why ``"auto"`` chose this policy; None for a policy named directly."""
         return self._reason
+
+    @property
+    def device_type(self) -> Optional[str]:
+        """The device type the policy was made for; None if not given."""
+        return self._device_type
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -124,19 +139,26 @@ def best_policy(device: Union[torch.device, str, None] = None) -> Policy:
     - CPU: ``"mixed_bfloat16"`` where the CPU computes bfloat16 natively
       (AMX-BF16 or AVX512-BF16), else ``"float32"``: without those
       instructions bf16 convolutions and matmuls are emulated, slower than
-      float32.
+      float32;
+    - TPU (torch_tpu's ``"tpu"`` device): ``"mixed_bfloat16"``, the TPU's
+      native compute type.
 
-    The same choice as the C++ ``fusetrain::amp::best_policy`` and the
-    trainer's ``precision.policy: auto``.
+    On CPU and CUDA the same choice as the C++ ``fusetrain::amp::best_policy``
+    and the trainer's ``precision.policy: auto``.
     """
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device_type = torch.device(device).type
-    if device_type not in ("cpu", "cuda"):
-        raise ValueError(f"best_policy: no policy for device type {device_type!r} (cpu or cuda)")
-    name, reason = _C.best_policy(device_type)
+    device_type = _device_type(device, "best_policy")
+    if device_type == TPU:
+        name, reason = "mixed_bfloat16", "TPU: bfloat16 is its native matrix-unit type"
+    elif device_type in ("cpu", "cuda"):
+        name, reason = _C.best_policy(device_type)
+    else:
+        raise ValueError(
+            f"best_policy: no policy for device type {device_type!r} (cpu, cuda or tpu); name a "
+            'policy, e.g. Policy("mixed_bfloat16")'
+        )
     policy = Policy(name)
     policy._reason = reason
+    policy._device_type = device_type
     return policy
 
 
@@ -179,30 +201,65 @@ def _check_autocast_supported(device_type: str, dtype: torch.dtype) -> None:
             raise RuntimeError(f"CPU autocast supports bfloat16 and float16, not {dtype}")
     elif not torch.amp.is_autocast_available(device_type):
         raise RuntimeError(f'autocast is not available on device type "{device_type}"')
+    elif device_type == torch._C._get_privateuse1_backend_name():
+        # An out-of-tree backend (torch_tpu) says which dtypes its autocast runs.
+        module = getattr(torch, device_type, None)
+        supported = getattr(module, "get_amp_supported_dtype", None)
+        if supported is None:
+            raise RuntimeError(
+                f'autocast on "{device_type}": the backend registered no torch.{device_type} '
+                "module with get_amp_supported_dtype(), so torch cannot autocast there"
+            )
+        dtypes = list(supported())
+        if dtype not in dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in dtypes) or "no dtype"
+            policies = {torch.bfloat16: "mixed_bfloat16", torch.float16: "mixed_float16"}
+            usable = [f'"{policies[d]}"' for d in dtypes if d in policies]
+            hint = f"; use Policy({usable[0]})" if usable else ""
+            raise RuntimeError(
+                f'autocast on "{device_type}" supports {names}, not '
+                f'{str(dtype).replace("torch.", "")}{hint}'
+            )
 
 
-@functools.lru_cache(maxsize=None)
+_autocast_ok: set = set()  # (device type, dtype) pairs checked (a set: torch.compile traces it)
+
+
 def _autocast_checked(device_type: str, dtype: torch.dtype) -> bool:
     """Checks once per (device type, dtype) that autocast runs there, and that
     torch would not disable it with a mere warning; raises otherwise."""
+    if (device_type, dtype) in _autocast_ok:
+        return True
     _check_autocast_supported(device_type, dtype)
     with warnings.catch_warnings():
         # torch disables autocast with only a warning when it cannot run it.
         warnings.filterwarnings("error", message=".*[Dd]isabl.*autocast.*")
         torch.autocast(device_type=device_type, dtype=dtype)
+    _autocast_ok.add((device_type, dtype))
     return True
+
+
+@torch._disable_dynamo
+def _outside_dynamo(fn, *args):
+    """fn(*args) run by Python, not traced: a graph break under
+    torch.compile. Entering and leaving autocast inside a compiled function
+    must change torch's autocast state for real (dynamo guards each graph on
+    it); dynamo cannot carry a torch.autocast entered in one method and left
+    in another. (torch imports dynamo lazily here, at the first compiled call.)"""
+    return fn(*args)
 
 
 class autocast(contextlib.ContextDecorator):
     """Runs the block under ``policy`` (default: the global policy).
 
     A mixed policy enables ``torch.autocast`` in its compute dtype on
-    ``device_type`` (default: ``"cuda"`` when available, else ``"cpu"``); the
+    ``device_type`` (default: ``"cuda"`` when available, else ``"cpu"``; any
+    device type torch's autocast supports, ``"tpu"`` through torch_tpu); the
     ``"float32"`` policy disables autocast. A policy the device cannot run is
     a ``RuntimeError``, never a silent fall-back to float32. Also a
     decorator; re-entrant. (A class rather than a generator: entering and
     leaving costs about what ``torch.autocast`` costs, which shows on small
-    models.)
+    models.) Under ``torch.compile`` entering and leaving are graph breaks.
     """
 
     __slots__ = ("_device_type", "_dtype", "_mixed", "_active")
@@ -212,7 +269,10 @@ class autocast(contextlib.ContextDecorator):
             policy = global_policy()
         elif not isinstance(policy, Policy):
             policy = Policy(policy)
-        self._device_type = device_type or _default_device_type()
+        if device_type:
+            self._device_type = _device_type(device_type, "autocast")
+        else:
+            self._device_type = policy.device_type or _default_device_type()
         self._mixed = policy.is_mixed
         self._dtype = policy.compute_dtype
         if self._mixed:
@@ -220,6 +280,16 @@ class autocast(contextlib.ContextDecorator):
         self._active = []
 
     def __enter__(self) -> None:
+        if torch.compiler.is_compiling():
+            return _outside_dynamo(self._enter)
+        return self._enter()
+
+    def __exit__(self, *exc):
+        if torch.compiler.is_compiling():
+            return _outside_dynamo(self._exit, exc)
+        return self._exit(exc)
+
+    def _enter(self) -> None:
         if self._mixed:
             ctx = torch.autocast(device_type=self._device_type, dtype=self._dtype)
         else:
@@ -227,7 +297,7 @@ class autocast(contextlib.ContextDecorator):
         ctx.__enter__()
         self._active.append(ctx)
 
-    def __exit__(self, *exc):
+    def _exit(self, exc):
         return self._active.pop().__exit__(*exc)
 
 
@@ -244,23 +314,33 @@ def _cast_float32(value: Any) -> Any:
     return value
 
 
-class _Float32Enter:
+class _AutocastHook:
+    """A module hook that enters or leaves autocast: run by Python even
+    under torch.compile (see _outside_dynamo)."""
+
+    def __call__(self, *args):
+        if torch.compiler.is_compiling():
+            return _outside_dynamo(self._run, *args)
+        return self._run(*args)
+
+
+class _Float32Enter(_AutocastHook):
     """Forward pre-hook: autocast off on every device, inputs to float32."""
 
-    def __call__(self, module, args, kwargs):
+    def _run(self, module, args, kwargs):
         stack = module.__dict__.setdefault("_fusetrain_float32_stack", [])
         ctx = contextlib.ExitStack()
-        for dev in ("cpu", "cuda"):
+        for dev in autocast_device_types():
             if torch.is_autocast_enabled(dev):
                 ctx.enter_context(torch.autocast(device_type=dev, enabled=False))
         stack.append(ctx)
         return _cast_float32(args), _cast_float32(kwargs)
 
 
-class _Float32Exit:
+class _Float32Exit(_AutocastHook):
     """Forward hook (always called, even when forward raises): restore autocast."""
 
-    def __call__(self, module, args, kwargs, output):
+    def _run(self, module, args, kwargs, output):
         stack = module.__dict__.get("_fusetrain_float32_stack")
         if stack:
             stack.pop().close()
@@ -280,11 +360,11 @@ def keep_float32(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-class _PolicyEnter:
+class _PolicyEnter(_AutocastHook):
     def __init__(self, policy: Policy):
         self.policy = policy
 
-    def __call__(self, module, args, kwargs):
+    def _run(self, module, args, kwargs):
         stack = module.__dict__.setdefault("_fusetrain_policy_stack", [])
         device_type = next(
             (p.device.type for p in module.parameters() if p.is_floating_point()),
@@ -296,8 +376,8 @@ class _PolicyEnter:
         return None
 
 
-class _PolicyExit:
-    def __call__(self, module, args, kwargs, output):
+class _PolicyExit(_AutocastHook):
+    def _run(self, module, args, kwargs, output):
         stack = module.__dict__.get("_fusetrain_policy_stack")
         if stack:
             stack.pop().close()
@@ -478,7 +558,7 @@ class GradScaler:
         hysteresis: int = 0,
     ) -> None:
         device = str(device)
-        if enabled and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        if enabled and _device_type(device, "GradScaler") == "cuda" and not torch.cuda.is_available():
             warnings.warn(
                 "torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling."
             )

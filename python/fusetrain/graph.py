@@ -29,8 +29,14 @@ least 11 eager iterations before capture, which the default ensures). What a ste
 number at capture time is frozen into the graph: give the optimizer a tensor
 learning rate (``FusedAdamW(params, lr=torch.tensor(1e-3, device="cuda"))``)
 and change it in place between executions, or call ``reset()`` after
-changing a float one. On the CPU the K steps run back to back. Either way the
-results equal K unfused calls of the step.
+changing a float one. On a TPU (torch_tpu's ``"tpu"`` device) the K steps
+are compiled together with ``torch.compile`` (the XLA analogue of a CUDA
+graph: ``use_compile=True``, the default there), on ``compile_backend``
+(default: a dynamo backend registered under the device's name, else
+torch.compile's default); no TPU has been reachable where fusetrain is
+developed, so that path has run only on the CPU (``use_compile=True,
+compile_backend="aot_eager"`` in the tests). Elsewhere the K steps run back
+to back. Either way the results equal K unfused calls of the step.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 import torch
 
 __all__ = ["fuse_steps", "FusedSteps"]
+
+_TPU = "tpu"  # torch_tpu's device type (fusetrain.devices)
 
 # Eager iterations torch's DDP needs before a capture.
 _DDP_WARMUP_STEPS = 11
@@ -66,6 +74,8 @@ class FusedSteps:
         *,
         warmup_executions: Optional[int] = None,
         use_cuda_graph: bool = True,
+        use_compile: Optional[bool] = None,
+        compile_backend: Union[str, Callable, None] = None,
     ):
         if steps_per_execution < 1:
             raise ValueError(f"steps_per_execution must be >= 1, got {steps_per_execution}")
@@ -82,7 +92,13 @@ class FusedSteps:
         if not self._sample:
             raise ValueError("sample_batch holds no tensor")
         self._tuple = isinstance(sample_batch, (list, tuple))
-        self._cuda = use_cuda_graph and self._sample[0].is_cuda
+        device_type = self._sample[0].device.type
+        if use_compile is None:
+            use_compile = device_type == _TPU
+        self.use_compile = bool(use_compile)
+        self.compile_backend = compile_backend
+        self._cuda = use_cuda_graph and self._sample[0].is_cuda and not self.use_compile
+        self._compiled = None
         self._executions = 0
         self._graph = None
         self._static_inputs: List[List[torch.Tensor]] = []
@@ -90,11 +106,14 @@ class FusedSteps:
 
     @property
     def captured(self) -> bool:
-        return self._graph is not None
+        """True once the K steps are a CUDA graph or a compiled function."""
+        return self._graph is not None or self._compiled is not None
 
     def reset(self) -> None:
-        """Drops the captured graph; the next full execution captures again."""
+        """Drops the captured graph (or compiled function); the next full
+        execution captures (compiles) again."""
         self._graph = None
+        self._compiled = None
         self._static_inputs = []
         self._static_outputs = None
 
@@ -140,9 +159,16 @@ class FusedSteps:
         for i, b in enumerate(batches):
             self._check(b, i)
         full = len(batches) == self.steps_per_execution
-        if not self._cuda or not full or self._executions < self.warmup_executions:
+        fused = self._cuda or self.use_compile
+        if not fused or not full or self._executions < self.warmup_executions:
             self._executions += 1
             return self._eager(batches)
+        if self.use_compile:
+            if self._compiled is None:
+                backend = _compile_backend(self.compile_backend, self._sample[0].device.type)
+                self._compiled = torch.compile(self._unflatten_and_run, backend=backend, dynamic=False)
+            self._executions += 1
+            return self._compiled(*[t for b in batches for t in b])
         if self._graph is None:
             self._capture(batches)
         for static, batch in zip(self._static_inputs, batches):
@@ -151,6 +177,12 @@ class FusedSteps:
         self._graph.replay()
         self._executions += 1
         return self._static_outputs.clone()
+
+    def _unflatten_and_run(self, *flat: torch.Tensor) -> torch.Tensor:
+        """The K steps over the K batches' tensors passed one after another
+        (the compiled function's arguments)."""
+        n = len(self._sample)
+        return self._eager([list(flat[i : i + n]) for i in range(0, len(flat), n)])
 
     def _capture(self, batches: List[List[torch.Tensor]]) -> None:
         # On the batches' device, whatever the current one is: a capture on
@@ -173,6 +205,17 @@ class FusedSteps:
                 raise RuntimeError(_capture_failure(e)) from e
             caller.wait_stream(side)
         self._graph = graph
+
+
+def _compile_backend(backend: Union[str, Callable, None], device_type: str):
+    """``backend``, or where None a dynamo backend registered under the
+    device type's name (as an accelerator's package may register one), else
+    torch.compile's default."""
+    if backend is not None:
+        return backend
+    from torch._dynamo import list_backends
+
+    return device_type if device_type in list_backends(exclude_tags=()) else "inductor"
 
 
 def _abandon_capture(caller: torch.cuda.Stream, pool) -> None:
@@ -228,5 +271,16 @@ def fuse_steps(
     """Returns a callable that runs ``steps_per_execution`` steps of
     ``step_fn`` per call. ``step_fn`` takes one batch (the tensors of a tuple
     batch as separate arguments) and returns a tensor that stays on the
-    device; ``sample_batch`` fixes the shapes. See the module doc."""
+    device; ``sample_batch`` fixes the shapes. Keywords:
+
+    - ``warmup_executions``: executions run eagerly before the capture
+      (default: enough for 11 eager steps, and at least 2);
+    - ``use_cuda_graph`` (default True): on CUDA, capture the K steps as a
+      CUDA graph;
+    - ``use_compile`` (default: True on a TPU, else False): compile the K
+      steps with ``torch.compile`` instead (any device);
+    - ``compile_backend``: its ``backend`` (default: a dynamo backend named
+      after the device type where one is registered, else ``"inductor"``).
+
+    See the module doc."""
     return FusedSteps(step_fn, sample_batch, steps_per_execution, **kwargs)

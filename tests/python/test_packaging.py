@@ -130,6 +130,16 @@ def test_wheel_holds_every_module_and_both_libraries(wheel):
     assert any(n.startswith("fusetrain/_C.") for n in libs), libs
 
 
+def test_wheel_offers_the_tpu_extra(wheel):
+    """`pip install "fusetrain[tpu]"` pulls torch_tpu in; plain installs do not."""
+    archive = zipfile.ZipFile(wheel)
+    metadata = archive.read(next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA")))
+    lines = metadata.decode().splitlines()
+    assert "Provides-Extra: tpu" in lines
+    requires = [line for line in lines if line.startswith("Requires-Dist: torch-tpu")]
+    assert requires and all('extra == "tpu"' in line for line in requires), requires
+
+
 def _runpath(lib: Path) -> list:
     out = subprocess.run(["readelf", "-d", str(lib)], capture_output=True, text=True, timeout=60, check=True).stdout
     entries = []
