@@ -177,6 +177,9 @@ const std::vector<KeySpec>& config_schema() {
           4096),
       key("model.convs_per_block", K::kInt, "1",
           "cnn: 3x3 conv + batch norm + ReLU layers in each block before its pooling", {}, 1, 16),
+      key("model.channels_last", K::kBool, "true",
+          "cnn, resnet: convolution kernels and activations in channels_last layout (faster "
+          "oneDNN convolutions; same values and checkpoints; off under parallel.shard)"),
       key("model.hidden", K::kIntList, "128",
           "mlp: hidden layer sizes; cnn: fully connected layers before the head", {}, 1, 65536),
       key("model.dropout", K::kFloat, "0", "dropout before the head (mlp, cnn) and in gpt", {},

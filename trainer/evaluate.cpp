@@ -67,6 +67,7 @@ int run_eval(const std::string& checkpoint, const std::vector<std::string>& over
   const Dataset data = load_dataset(config, device);
   Model model = make_model(config, data);
   model->to(device);
+  if (wants_channels_last(config)) model->use_channels_last();
   const TensorDict ckpt = read_checkpoint(checkpoint);
   load_model(ckpt, checkpoint, model);
   std::vector<at::Tensor> logits;

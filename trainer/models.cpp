@@ -26,6 +26,21 @@ at::Tensor ModelImpl::apply_head(const at::Tensor& x) {
   return head32_ ? head32_->forward(x) : head_->forward(x);
 }
 
+void ModelImpl::use_channels_last() {
+  at::NoGradGuard no_grad;
+  for (at::Tensor& t : parameters()) {
+    if (t.dim() == 4) t.set_data(t.contiguous(at::MemoryFormat::ChannelsLast));
+  }
+  for (at::Tensor& t : buffers()) {
+    if (t.dim() == 4) t.set_data(t.contiguous(at::MemoryFormat::ChannelsLast));
+  }
+  channels_last_ = true;
+}
+
+at::Tensor ModelImpl::as_input(const at::Tensor& x) const {
+  return channels_last_ && x.dim() == 4 ? x.contiguous(at::MemoryFormat::ChannelsLast) : x;
+}
+
 namespace {
 
 // A linear layer: amp::Float8Linear under precision.policy=mixed_float8 when
@@ -104,7 +119,7 @@ class CnnImpl : public ModelImpl {
     make_head(n, d.num_classes, c.get_bool("precision.float32_head"));
   }
   at::Tensor forward(const at::Tensor& x) override {
-    return apply_head(classifier_->forward(features_->forward(x)));
+    return apply_head(classifier_->forward(features_->forward(as_input(x))));
   }
 
  private:
@@ -207,7 +222,7 @@ class ResNetImpl : public ModelImpl {
     make_head(in, d.num_classes, c.get_bool("precision.float32_head"));
   }
   at::Tensor forward(const at::Tensor& x) override {
-    at::Tensor out = bn1_(conv1_(x)).relu_();
+    at::Tensor out = bn1_(conv1_(as_input(x))).relu_();
     for (auto& layer : layers_) out = layer->forward(out);
     return apply_head(out.mean({2, 3}));
   }
@@ -361,6 +376,12 @@ void cast_for_master_weights(const Model& model, at::ScalarType dtype) {
       m->to(dtype);
     }
   }
+}
+
+bool wants_channels_last(const Config& config) {
+  const std::string& name = config.get_string("model.name");
+  return config.get_bool("model.channels_last") && (name == "cnn" || name == "resnet") &&
+         config.get_string("parallel.shard") == "none";
 }
 
 int64_t count_parameters(const Model& model) {

@@ -30,12 +30,23 @@ class ModelImpl : public torch::nn::Module {
   /// whose forward already takes none keep forward().
   virtual at::Tensor forward_for_trace(const at::Tensor& x) { return forward(x); }
 
+  /// model.channels_last: the 4-D parameters and buffers (convolution
+  /// kernels) in channels_last layout, and forward() takes its images in it
+  /// (a copy of an NCHW batch). oneDNN's convolutions, batch norm and
+  /// pooling run faster on it (bench/bench_trainer.py); the values, names
+  /// and shapes are unchanged, so checkpoints are the same.
+  void use_channels_last();
+  bool channels_last() const { return channels_last_; }
+
  protected:
+  /// x as the first layer takes it: channels_last under use_channels_last().
+  at::Tensor as_input(const at::Tensor& x) const;
   /// Registers the final layer as "head", in float32 when `float32`.
   void make_head(int64_t in, int64_t out, bool float32);
   at::Tensor apply_head(const at::Tensor& x);
 
  private:
+  bool channels_last_ = false;
   torch::nn::Linear head_{nullptr};
   std::shared_ptr<amp::Float32Impl<torch::nn::Linear>> head32_;
 };
@@ -52,5 +63,10 @@ Model make_model(const Config& config, const Dataset& data);
 void cast_for_master_weights(const Model& model, at::ScalarType dtype);
 
 int64_t count_parameters(const Model& model);
+
+/// Whether the config's model runs in channels_last: model.channels_last on
+/// a cnn or resnet, unless ZeRO shards it (parallel.shard: its pieces take
+/// contiguous parameters).
+bool wants_channels_last(const Config& config);
 
 }  // namespace fusetrain::trainer

@@ -97,10 +97,16 @@ void load_optimizer(const TensorDict& ckpt, const std::string& path, const Model
     throw config.error("optimizer.name", "the checkpoint " + path + " was written with optimizer.name=" +
                                              name + "; its state cannot be resumed by another optimizer");
   }
-  auto field = [&](const std::string& k) {
-    return has_entry(ckpt, k)
-               ? checkpoint_entry(ckpt, k, path).to(device, /*non_blocking=*/false, /*copy=*/true)
-               : at::Tensor();
+  // A state tensor on the device in its parameter's layout (the fused
+  // kernels walk both in memory order): a checkpoint written in another
+  // layout (model.channels_last changed) is copied into this one's.
+  auto field = [&](const std::string& k, const at::Tensor& param) {
+    if (!has_entry(ckpt, k)) return at::Tensor();
+    at::Tensor t = checkpoint_entry(ckpt, k, path).to(device, /*non_blocking=*/false, /*copy=*/true);
+    if (t.sizes() == param.sizes() && t.strides() != param.strides()) {
+      t = at::empty_like(param, t.options(), at::MemoryFormat::Preserve).copy_(t);
+    }
+    return t;
   };
   auto& state = optimizer.state();
   for (const auto& p : model->named_parameters()) {
@@ -108,17 +114,17 @@ void load_optimizer(const TensorDict& ckpt, const std::string& path, const Model
     if (name == "adamw") {
       if (!has_entry(ckpt, k + "exp_avg")) continue;
       auto s = std::make_unique<optim::FusedAdamWParamState>();
-      s->step(field(k + "step"));
-      s->exp_avg(field(k + "exp_avg"));
-      s->exp_avg_sq(field(k + "exp_avg_sq"));
-      s->max_exp_avg_sq(field(k + "max_exp_avg_sq"));
-      s->master_param(field(k + "master_param"));
+      s->step(field(k + "step", p.value()));
+      s->exp_avg(field(k + "exp_avg", p.value()));
+      s->exp_avg_sq(field(k + "exp_avg_sq", p.value()));
+      s->max_exp_avg_sq(field(k + "max_exp_avg_sq", p.value()));
+      s->master_param(field(k + "master_param", p.value()));
       state[p.value().unsafeGetTensorImpl()] = std::move(s);
     } else {
       if (!has_entry(ckpt, k + "momentum_buffer") && !has_entry(ckpt, k + "master_param")) continue;
       auto s = std::make_unique<optim::FusedSGDParamState>();
-      s->momentum_buffer(field(k + "momentum_buffer"));
-      s->master_param(field(k + "master_param"));
+      s->momentum_buffer(field(k + "momentum_buffer", p.value()));
+      s->master_param(field(k + "master_param", p.value()));
       state[p.value().unsafeGetTensorImpl()] = std::move(s);
     }
   }

@@ -199,6 +199,7 @@ void Trainer::build() {
   if (config_.get_bool("precision.master_weights")) {
     cast_for_master_weights(model_, policy_.compute_dtype());
   }
+  if (wants_channels_last(config_)) model_->use_channels_last();
   init_ema();
 
   // Weight decay on weight matrices and kernels only: decaying biases and
@@ -729,8 +730,9 @@ int Trainer::run() {
   const int64_t epochs = (total_steps_ + steps_per_epoch_ - 1) / steps_per_epoch_;
   say(fmt::format("fusetrain train: {} -> {}", config_.name().empty() ? "config" : config_.name(),
                   plan_.run_dir));
-  say(fmt::format("  model {} ({} parameters), {}: {} train / {} test samples",
-                  config_.get_string("model.name"), count_parameters(model_), data_.description,
+  say(fmt::format("  model {} ({} parameters{}), {}: {} train / {} test samples",
+                  config_.get_string("model.name"), count_parameters(model_),
+                  model_->channels_last() ? ", channels_last" : "", data_.description,
                   data_.train.size(), data_.test.size()));
   const int world = world_.world_size();
   const int threads = at::get_num_threads();

@@ -351,10 +351,21 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     if (padded > total) bucket.buffer.narrow(0, total, padded - total).zero_();
   }
 
+  // Parameter i's gradient in its bucket. Unsharded, in the parameter's own
+  // layout where it is dense (a channels_last convolution weight), as torch's
+  // reducer: the gradient autograd writes comes in that layout, so the copy
+  // into the bucket runs in memory order and a bucket-view gradient is laid
+  // out as the optimizer walks it. Sharded buckets keep the logical order the
+  // shards assume (ZeroRedundancyOptimizer takes contiguous parameters).
   at::Tensor view_of(size_t i) {
     if (sharded()) ensure_buffer(bucket_of[i]);
     const Bucket& b = buckets[bucket_of[i]];
-    return b.buffer.narrow(0, b.offsets[slot_of[i]], params[i].numel()).view(params[i].sizes());
+    const at::Tensor& p = params[i];
+    if (!sharded() && !p.is_contiguous() && p.is_non_overlapping_and_dense()) {
+      return b.buffer.as_strided(p.sizes(), p.strides(),
+                                 b.buffer.storage_offset() + b.offsets[slot_of[i]]);
+    }
+    return b.buffer.narrow(0, b.offsets[slot_of[i]], p.numel()).view(p.sizes());
   }
 
   void register_hooks(const std::shared_ptr<Impl>& self) {

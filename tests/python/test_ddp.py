@@ -601,6 +601,42 @@ def sc_grad_as_bucket_view(pg, rank, world):
     }
 
 
+def sc_channels_last(pg, rank, world):
+    """Convolutions in channels_last (the trainer's model.channels_last): each
+    gradient comes back in its parameter's layout in both modes (the bucket
+    view too, as torch's reducer lays it out), and training equals torch's
+    DDP on the same model."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from fusetrain.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3, padding=1))
+    base = base.to(memory_format=torch.channels_last)
+    models = [copy.deepcopy(base) for _ in range(3)]
+    ddps = [DDP(models[0], process_group=pg), DDP(models[1], process_group=pg, gradient_as_bucket_view=True),
+            TorchDDP(models[2], process_group=pg)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in models]
+    laid_out = [p.dim() == 4 and not p.is_contiguous() for p in models[1].parameters()]
+    strides_match = {0: True, 1: True}
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(2 * world, 3, 6, 6, generator=g).contiguous(memory_format=torch.channels_last)
+        y = torch.randn(2 * world, 4, 6, 6, generator=g)
+        xs, ys = _shard(x, rank, world), _shard(y, rank, world)
+        for j, (ddp, opt) in enumerate(zip(ddps, opts)):
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(ddp(xs), ys).backward()
+            if j in strides_match:
+                strides_match[j] &= all(p.grad.stride() == p.stride() for p in models[j].parameters())
+            opt.step()
+    return {
+        "channels_last_kernels": laid_out,
+        "strides_match": strides_match,
+        "err_vs_torch": [_max_diff(models[j].parameters(), models[2].parameters()) for j in (0, 1)],
+    }
+
+
 class _Pause(torch.autograd.Function):
     """Identity whose backward first runs ``probe`` (which may wait): a stand-in
     for the rest of a long backward pass."""
@@ -857,8 +893,8 @@ def sc_nccl_world1(pg, rank, world):
 
 SUITES = {
     "core": [sc_equivalence, sc_rebuilt_buckets, sc_no_sync, sc_predivide, sc_diverged_init, sc_mismatched_shapes, sc_unused_error,
-             sc_find_unused, sc_comm_bf16, sc_grad_as_bucket_view, sc_grad_scaler, sc_state_dict,
-             sc_overlap, sc_gil_release],
+             sc_find_unused, sc_comm_bf16, sc_grad_as_bucket_view, sc_channels_last, sc_grad_scaler,
+             sc_state_dict, sc_overlap, sc_gil_release],
     "dead_rank": [sc_dead_rank],
     "stalled_rank": [sc_stalled_rank],
     "nccl": [sc_nccl_world1],
@@ -929,6 +965,14 @@ def test_buckets_are_rebuilt_in_gradient_ready_order(core):
             assert r["err"] <= FP32_TOL, f"rank {rank}, gradient_as_bucket_view={view}: {r['err']}"
             if view:
                 assert r["grads_are_views"]
+
+
+def test_channels_last_gradients_keep_the_parameter_layout(core):
+    world, results = core
+    for rank, d in enumerate(findings(results, "channels_last")):
+        assert d["channels_last_kernels"] == [True, False, True, False]  # weights, biases
+        assert d["strides_match"] == {0: True, 1: True}, f"rank {rank}: {d['strides_match']}"
+        assert max(d["err_vs_torch"]) <= torch_tol(world), f"rank {rank}: {d['err_vs_torch']}"
 
 
 def test_no_sync_accumulation_equals_one_large_batch(core):
