@@ -293,3 +293,44 @@ def test_fuse_steps_compiles_by_default_only_on_a_tpu(stand_in):
         assert fusetrain.fuse_steps(lambda x: x, sample, 2, use_compile=False).use_compile is False
         print("ok")
     """)
+
+
+# ------------------------------------------------------------ a real TPU
+
+
+@pytest.mark.skipif(not HAS_TORCH_TPU, reason="torch_tpu is not installed (CI installs nothing new)")
+def test_a_real_tpu_trains_through_the_generic_ops_and_fused_steps():
+    """Where torch_tpu and a TPU are present: the scaler, FusedAdamW and the
+    cross-entropy run on the TPU (fusetrain's device-generic kernels) and
+    train as on the CPU; fuse_steps compiles there by default. Not run where
+    fusetrain is developed (no TPU)."""
+    if not fusetrain.tpu_available():
+        pytest.skip("torch_tpu is installed but sees no TPU")
+    tpu = torch.device("tpu", 0)
+    torch.manual_seed(1)
+    batches = [(torch.randn(16, 12), torch.randint(0, 5, (16,))) for _ in range(8)]
+    finals = {}
+    for device in ("cpu", tpu):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 5)).to(device)
+        opt = fusetrain.optim.FusedAdamW(model.parameters(), lr=1e-2)
+        scaler = GradScaler(str(device), init_scale=2.0**10)
+
+        def step(x, y):
+            loss = fusetrain.nn.functional.softmax_cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=False)
+            return loss.detach()
+
+        on_device = [(x.to(device), y.to(device)) for x, y in batches]
+        fused = fusetrain.fuse_steps(step, on_device[0], 4, warmup_executions=1)
+        assert fused.use_compile is (device != "cpu")
+        losses = torch.cat([fused(on_device[i : i + 4]) for i in range(0, 8, 4)]).cpu()
+        finals[str(device)] = (losses, [p.detach().cpu() for p in model.parameters()])
+    (cpu_losses, cpu_params), (tpu_losses, tpu_params) = finals["cpu"], finals[str(tpu)]
+    # float32 matmuls on a TPU may run in bf16 passes: agreement to 1e-2.
+    torch.testing.assert_close(tpu_losses, cpu_losses, rtol=1e-2, atol=1e-2)
+    for a, b in zip(tpu_params, cpu_params):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
