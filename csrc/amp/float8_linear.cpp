@@ -49,7 +49,9 @@ at::Tensor quantize(const at::Tensor& x, at::ScalarType dtype, const at::Tensor&
   return q;
 }
 
-at::Tensor column_major(const at::Tensor& q) { return q.t().contiguous().t(); }
+// The same matrix laid out column-major, the second operand CUDA's
+// _scaled_mm takes; the CPU's fp32 GEMM takes any layout.
+at::Tensor column_major(const at::Tensor& q) { return q.is_cuda() ? q.t().contiguous().t() : q; }
 
 // Zero rows appended up to a multiple of 16 rows: CUDA's _scaled_mm wants the
 // reduced dimension a multiple of 16, and zero rows add nothing.
@@ -137,7 +139,8 @@ class Float8LinearFunction : public torch::autograd::Function<Float8LinearFuncti
                        .reshape(ctx->saved_data["input_sizes"].toIntVector());
     }
     if (ctx->needs_input_grad(1)) {
-      grad_weight = scaled_mm(pad_rows(qg).t().contiguous(), column_major(pad_rows(qx)), inv_g,
+      const at::Tensor qg_t = qg.is_cuda() ? pad_rows(qg).t().contiguous() : qg.t();
+      grad_weight = scaled_mm(qg_t, column_major(pad_rows(qx)), inv_g,
                               inv_x, {}, at::kFloat);
     }
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) {

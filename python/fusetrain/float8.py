@@ -163,7 +163,10 @@ class _Float8State:
 
 
 def _column_major(q: torch.Tensor) -> torch.Tensor:
-    """The same matrix laid out column-major (``_scaled_mm``'s second operand)."""
+    """The same matrix laid out column-major (CUDA ``_scaled_mm``'s second
+    operand); the CPU's fp32 GEMM takes any layout."""
+    if not q.is_cuda:
+        return q
     return q.t().contiguous().t()
 
 
@@ -233,7 +236,8 @@ class _Float8LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             multiple = 16 if qg.is_cuda else 1
             grad_weight = _scaled_mm(
-                _pad_rows(qg, multiple).t().contiguous(), _column_major(_pad_rows(qx, multiple)),
+                _pad_rows(qg, multiple).t().contiguous() if qg.is_cuda else qg.t(),
+                _column_major(_pad_rows(qx, multiple)),
                 inv_g, inv_x, None, torch.float32,
             )
         if ctx.has_bias and ctx.needs_input_grad[2]:

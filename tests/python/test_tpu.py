@@ -226,16 +226,16 @@ def test_compile_backend_prefers_one_named_after_the_device(stand_in):
     """)
 
 
-def _trainer(policy: str):
-    """A small classifier trained through fusetrain's scaler, fused AdamW and
-    cross-entropy; returns (model, step function)."""
+def _trainer(policy: str, device="cpu"):
+    """A small classifier on ``device`` trained through fusetrain's scaler,
+    fused AdamW and cross-entropy; returns (model, step function, scaler)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 5))
+    model = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 5)).to(device)
     opt = fusetrain.optim.FusedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    scaler = GradScaler(str(device), init_scale=2.0**10, growth_interval=3)
 
     def step(x, y):
-        with autocast(policy, "cpu"):
+        with autocast(policy, torch.device(device).type):
             loss = fusetrain.nn.functional.softmax_cross_entropy(model(x), y)
         scaler.scale(loss).backward()
         scaler.step(opt)
@@ -311,19 +311,7 @@ def test_a_real_tpu_trains_through_the_generic_ops_and_fused_steps():
     batches = [(torch.randn(16, 12), torch.randint(0, 5, (16,))) for _ in range(8)]
     finals = {}
     for device in ("cpu", tpu):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 5)).to(device)
-        opt = fusetrain.optim.FusedAdamW(model.parameters(), lr=1e-2)
-        scaler = GradScaler(str(device), init_scale=2.0**10)
-
-        def step(x, y):
-            loss = fusetrain.nn.functional.softmax_cross_entropy(model(x), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=False)
-            return loss.detach()
-
+        model, step, _ = _trainer("float32", device)
         on_device = [(x.to(device), y.to(device)) for x, y in batches]
         fused = fusetrain.fuse_steps(step, on_device[0], 4, warmup_executions=1)
         assert fused.use_compile is (device != "cpu")
