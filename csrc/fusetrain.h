@@ -10,8 +10,10 @@
 #include <fusetrain/dist/process_group.h>
 #include <fusetrain/dist/zero.h>
 #include <fusetrain/graph/fused_steps.h>
+#include <fusetrain/nn/batch_norm.h>
 #include <fusetrain/nn/cross_entropy.h>
 #include <fusetrain/ops/amp.h>
+#include <fusetrain/ops/batch_norm.h>
 #include <fusetrain/ops/cpu_features.h>
 #include <fusetrain/ops/fp8.h>
 #include <fusetrain/ops/optim.h>

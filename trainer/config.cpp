@@ -180,6 +180,10 @@ const std::vector<KeySpec>& config_schema() {
       key("model.channels_last", K::kBool, "true",
           "cnn, resnet: convolution kernels and activations in channels_last layout (faster "
           "oneDNN convolutions; same values and checkpoints; off under parallel.shard)"),
+      key("model.fused_batch_norm", K::kBool, "true",
+          "cnn, resnet: batch norm + ReLU as one fused op forward and backward on the CPU "
+          "(fusetrain::nn::batch_norm_relu; same parameters and checkpoints); torch's ops when "
+          "false"),
       key("model.hidden", K::kIntList, "128",
           "mlp: hidden layer sizes; cnn: fully connected layers before the head", {}, 1, 65536),
       key("model.dropout", K::kFloat, "0", "dropout before the head (mlp, cnn) and in gpt", {},

@@ -4,6 +4,7 @@
 #include "torchscript_model.h"
 
 #include <fusetrain/amp/float8_linear.h>
+#include <fusetrain/nn/batch_norm.h>
 
 #include <torch/nn.h>
 
@@ -39,6 +40,20 @@ void ModelImpl::use_channels_last() {
 
 at::Tensor ModelImpl::as_input(const at::Tensor& x) const {
   return channels_last_ && x.dim() == 4 ? x.contiguous(at::MemoryFormat::ChannelsLast) : x;
+}
+
+namespace {
+
+at::Tensor batch_norm_act(nn::BatchNorm2dImpl& bn, const at::Tensor& x, bool relu, bool fused) {
+  if (fused) return fusetrain::nn::batch_norm_relu(bn, x, relu);
+  at::Tensor y = bn.forward(x);
+  return relu ? y.relu_() : y;
+}
+
+}  // namespace
+
+at::Tensor ModelImpl::batch_norm(nn::BatchNorm2dImpl& bn, const at::Tensor& x, bool relu) const {
+  return batch_norm_act(bn, x, relu, fused_batch_norm_);
 }
 
 namespace {
@@ -117,12 +132,31 @@ class CnnImpl : public ModelImpl {
     register_module("features", features_);
     register_module("classifier", classifier_);
     make_head(n, d.num_classes, c.get_bool("precision.float32_head"));
+    set_fused_batch_norm(c.get_bool("model.fused_batch_norm"));
   }
   at::Tensor forward(const at::Tensor& x) override {
-    return apply_head(classifier_->forward(features_->forward(as_input(x))));
+    return apply_head(classifier_->forward(forward_features(as_input(x))));
   }
 
  private:
+  // features_->forward(x), with each BatchNorm2d + ReLU pair through
+  // batch_norm(): the ReLU module stays in the Sequential, so the layers keep
+  // their indices (features.N.*) in checkpoints.
+  at::Tensor forward_features(at::Tensor x) {
+    for (auto it = features_->begin(); it != features_->end(); ++it) {
+      auto* bn = it->ptr()->as<nn::BatchNorm2dImpl>();
+      if (bn == nullptr) {
+        x = it->forward(x);
+        continue;
+      }
+      const auto next = std::next(it);
+      const bool relu = next != features_->end() && next->ptr()->as<nn::ReLUImpl>() != nullptr;
+      x = batch_norm(*bn, x, relu);
+      if (relu) it = next;
+    }
+    return x;
+  }
+
   nn::Sequential features_;
   nn::Sequential classifier_;
 };
@@ -149,9 +183,9 @@ class BasicBlockImpl : public nn::Module {
         downsample(shortcut(in, planes, stride)) {
     if (downsample) register_module("downsample", downsample);
   }
-  at::Tensor forward(at::Tensor x) {
-    at::Tensor out = bn1(conv1(x)).relu_();
-    out = bn2(conv2(out));
+  at::Tensor forward(at::Tensor x, bool fused) {
+    at::Tensor out = batch_norm_act(*bn1, conv1(x), true, fused);
+    out = batch_norm_act(*bn2, conv2(out), false, fused);
     return out.add_(downsample ? downsample->forward(x) : x).relu_();
   }
   // Declared in registration order (members initialise in this order).
@@ -176,10 +210,10 @@ class BottleneckImpl : public nn::Module {
         downsample(shortcut(in, planes * kExpansion, stride)) {
     if (downsample) register_module("downsample", downsample);
   }
-  at::Tensor forward(at::Tensor x) {
-    at::Tensor out = bn1(conv1(x)).relu_();
-    out = bn2(conv2(out)).relu_();
-    out = bn3(conv3(out));
+  at::Tensor forward(at::Tensor x, bool fused) {
+    at::Tensor out = batch_norm_act(*bn1, conv1(x), true, fused);
+    out = batch_norm_act(*bn2, conv2(out), true, fused);
+    out = batch_norm_act(*bn3, conv3(out), false, fused);
     return out.add_(downsample ? downsample->forward(x) : x).relu_();
   }
   nn::Conv2d conv1;
@@ -220,10 +254,19 @@ class ResNetImpl : public ModelImpl {
       layers_.push_back(register_module("layer" + std::to_string(stage + 1), layer));
     }
     make_head(in, d.num_classes, c.get_bool("precision.float32_head"));
+    set_fused_batch_norm(c.get_bool("model.fused_batch_norm"));
   }
   at::Tensor forward(const at::Tensor& x) override {
-    at::Tensor out = bn1_(conv1_(as_input(x))).relu_();
-    for (auto& layer : layers_) out = layer->forward(out);
+    at::Tensor out = batch_norm(*bn1_, conv1_(as_input(x)), true);
+    for (auto& layer : layers_) {
+      for (auto& block : *layer) {
+        if (auto* basic = block.ptr()->as<BasicBlockImpl>()) {
+          out = basic->forward(out, fused_batch_norm());
+        } else {
+          out = block.ptr()->as<BottleneckImpl>()->forward(out, fused_batch_norm());
+        }
+      }
+    }
     return apply_head(out.mean({2, 3}));
   }
 

@@ -38,15 +38,25 @@ class ModelImpl : public torch::nn::Module {
   void use_channels_last();
   bool channels_last() const { return channels_last_; }
 
+  /// model.fused_batch_norm: each batch norm + ReLU pair (and a batch norm
+  /// alone) runs as fusetrain::nn::batch_norm_relu, one fused op each way on
+  /// the CPU; torch's ops where off. Same parameters, buffers and names.
+  /// `fusetrain export` turns it off: the traced module is plain torch.
+  void set_fused_batch_norm(bool fused) { fused_batch_norm_ = fused; }
+
  protected:
   /// x as the first layer takes it: channels_last under use_channels_last().
   at::Tensor as_input(const at::Tensor& x) const;
   /// Registers the final layer as "head", in float32 when `float32`.
   void make_head(int64_t in, int64_t out, bool float32);
   at::Tensor apply_head(const at::Tensor& x);
+  /// bn(x), then a ReLU when `relu`: fused or torch's (set_fused_batch_norm).
+  at::Tensor batch_norm(torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x, bool relu) const;
+  bool fused_batch_norm() const { return fused_batch_norm_; }
 
  private:
   bool channels_last_ = false;
+  bool fused_batch_norm_ = false;
   torch::nn::Linear head_{nullptr};
   std::shared_ptr<amp::Float32Impl<torch::nn::Linear>> head32_;
 };

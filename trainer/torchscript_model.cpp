@@ -360,6 +360,7 @@ std::string export_traced_torchscript(const std::string& checkpoint, const std::
   shapes.is_tokens = name == "gpt";
   Model model = make_model(config, shapes);
   load_model(ckpt, checkpoint, model);
+  model->set_fused_batch_norm(false);  // the trace must hold torch's ops only
   model->to(at::kFloat);  // master-weight runs keep 16-bit layers; the export is float32
   model->eval();
 

@@ -1,6 +1,7 @@
 // The device-generic implementations (Note [Device-generic ops], generic.h):
 // ATen operations only, registered under CompositeExplicitAutograd.
 #include <fusetrain/ops/amp.h>
+#include <fusetrain/ops/batch_norm.h>
 #include <fusetrain/ops/checks.h>
 #include <fusetrain/ops/cross_entropy.h>
 #include <fusetrain/ops/generic.h>
@@ -321,6 +322,91 @@ at::Tensor softmax_cross_entropy_backward(const at::Tensor& grad_loss, const at:
   return grad.to(logits.scalar_type());
 }
 
+namespace {
+
+// The dimensions batch norm reduces over (all but 1) and the shape that
+// broadcasts a [C] tensor against the input.
+struct ChannelDims {
+  std::vector<int64_t> reduce;
+  std::vector<int64_t> broadcast;
+};
+
+ChannelDims channel_dims(const at::Tensor& input) {
+  ChannelDims d;
+  for (int64_t i = 0; i < input.dim(); ++i) {
+    if (i != 1) d.reduce.push_back(i);
+    d.broadcast.push_back(i == 1 ? input.size(1) : 1);
+  }
+  return d;
+}
+
+at::Tensor param_or(const std::optional<at::Tensor>& t, const at::Tensor& input, float absent) {
+  if (given(t)) return t->to(at::kFloat);
+  return at::full({input.size(1)}, absent, input.options().dtype(at::kFloat));
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_relu(
+    const at::Tensor& input, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
+    const std::optional<at::Tensor>& running_var, bool training, double momentum, double eps,
+    bool relu) {
+  check_batch_norm_forward_args(input, weight, bias, running_mean, running_var, training);
+  const ChannelDims d = channel_dims(input);
+  const at::Tensor x = input.to(at::kFloat);
+  at::Tensor mean, var;
+  if (training) {
+    mean = x.mean(d.reduce);
+    var = x.var(d.reduce, /*correction=*/0);
+    if (given(running_mean)) {
+      const double n = static_cast<double>(input.numel() / std::max<int64_t>(input.size(1), 1));
+      const at::Tensor unbiased = var.mul(n / (n - 1.0));
+      running_mean->copy_(running_mean->to(at::kFloat).mul(1.0 - momentum).add(mean.mul(momentum)));
+      running_var->copy_(running_var->to(at::kFloat).mul(1.0 - momentum).add(unbiased.mul(momentum)));
+    }
+  } else {
+    mean = running_mean->to(at::kFloat);
+    var = running_var->to(at::kFloat);
+  }
+  const at::Tensor invstd = var.add(eps).rsqrt();
+  const at::Tensor alpha = invstd.mul(param_or(weight, input, 1.f));
+  const at::Tensor beta = param_or(bias, input, 0.f).sub(mean.mul(alpha));
+  at::Tensor y = x.mul(alpha.view(d.broadcast)).add(beta.view(d.broadcast));
+  if (relu) y = at::relu(y);
+  at::Tensor out = y.to(input.scalar_type()).contiguous(input.suggest_memory_format());
+  return {out, mean.contiguous(), invstd.contiguous()};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_relu_backward(
+    const at::Tensor& grad_out, const at::Tensor& input, const std::optional<at::Tensor>& output,
+    const std::optional<at::Tensor>& weight, const at::Tensor& save_mean,
+    const at::Tensor& save_invstd, bool training, bool relu, std::array<bool, 3> output_mask) {
+  check_batch_norm_backward_args(grad_out, input, output, weight, save_mean, save_invstd, relu);
+  const ChannelDims d = channel_dims(input);
+  at::Tensor g = grad_out.to(at::kFloat);
+  if (relu) g = at::where(output->le(0), 0.f, g);  // threshold_backward's mask: NaN passes
+  const at::Tensor invstd = save_invstd.view(d.broadcast);
+  const at::Tensor centred = input.to(at::kFloat).sub(save_mean.view(d.broadcast));
+  const at::Tensor sg = g.sum(d.reduce);
+  const at::Tensor sgx = g.mul(centred).sum(d.reduce);
+  const at::ScalarType param_dtype = given(weight) ? weight->scalar_type() : at::kFloat;
+  at::Tensor grad_input, grad_weight, grad_bias;
+  if (output_mask[0]) {
+    const at::Tensor a = param_or(weight, input, 1.f).view(d.broadcast).mul(invstd);
+    at::Tensor gi = g;
+    if (training) {
+      const double n = static_cast<double>(input.numel() / std::max<int64_t>(input.size(1), 1));
+      gi = g.sub(sg.view(d.broadcast).div(n))
+               .sub(centred.mul(invstd.square()).mul(sgx.view(d.broadcast).div(n)));
+    }
+    grad_input = gi.mul(a).to(input.scalar_type()).contiguous(input.suggest_memory_format());
+  }
+  if (output_mask[1] && given(weight)) grad_weight = sgx.mul(save_invstd).to(param_dtype);
+  if (output_mask[2]) grad_bias = sg.to(param_dtype);
+  return {grad_input, grad_weight, grad_bias};
+}
+
 }  // namespace fusetrain::ops::generic
 
 // Every backend without a kernel of its own (Note [Device-generic ops]).
@@ -333,4 +419,6 @@ TORCH_LIBRARY_IMPL(fusetrain, CompositeExplicitAutograd, m) {
   m.impl("multi_tensor_l2norm", &g::multi_tensor_l2norm);
   m.impl("softmax_cross_entropy_forward", &g::softmax_cross_entropy_forward);
   m.impl("softmax_cross_entropy_backward", &g::softmax_cross_entropy_backward);
+  m.impl("batch_norm_relu", &g::batch_norm_relu);
+  m.impl("batch_norm_relu_backward", &g::batch_norm_relu_backward);
 }

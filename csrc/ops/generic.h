@@ -40,6 +40,7 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <optional>
 #include <string_view>
 #include <tuple>
@@ -81,5 +82,16 @@ at::Tensor softmax_cross_entropy_backward(const at::Tensor& grad_loss, const at:
                                           const at::Tensor& target, const at::Tensor& lse,
                                           int64_t ignore_index, double label_smoothing,
                                           c10::string_view reduction);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_relu(
+    const at::Tensor& input, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
+    const std::optional<at::Tensor>& running_var, bool training, double momentum, double eps,
+    bool relu);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_relu_backward(
+    const at::Tensor& grad_out, const at::Tensor& input, const std::optional<at::Tensor>& output,
+    const std::optional<at::Tensor>& weight, const at::Tensor& save_mean,
+    const at::Tensor& save_invstd, bool training, bool relu, std::array<bool, 3> output_mask);
 
 }  // namespace fusetrain::ops::generic

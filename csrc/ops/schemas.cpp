@@ -54,6 +54,21 @@ TORCH_LIBRARY(fusetrain, m) {
       "softmax_cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, "
       "Tensor lse, int ignore_index, float label_smoothing, str reduction) -> Tensor");
 
+  // Batch normalisation over every dimension but 1, then max(0, y) when
+  // `relu`, fp32 math; running statistics (when given) updated in training.
+  // Returns out (the input's dtype and memory format) and the float32 [C]
+  // mean and invstd used, which the backward takes (ops/batch_norm.h).
+  m.def(
+      "batch_norm_relu(Tensor input, Tensor? weight, Tensor? bias, Tensor(a!)? running_mean, "
+      "Tensor(b!)? running_var, bool training, float momentum, float eps, bool relu) "
+      "-> (Tensor out, Tensor save_mean, Tensor save_invstd)");
+  // Gradients of the above with respect to input, weight and bias, where
+  // output_mask asks; `output` (the forward's out) is the ReLU's mask.
+  m.def(
+      "batch_norm_relu_backward(Tensor grad_out, Tensor input, Tensor? output, Tensor? weight, "
+      "Tensor save_mean, Tensor save_invstd, bool training, bool relu, bool[3] output_mask) "
+      "-> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+
   // Float8 quantisation with a per-tensor scale, Note [Float8 scaling]
   // (csrc/kernels/fp8_scaling.h): `dtype` is float8_e4m3fn or float8_e5m2;
   // finite values saturate, inf/NaN stay non-finite. Current scaling sets

@@ -79,6 +79,8 @@ inline F ldexp(F a, F n) {
 
 inline M operator<(F a, F b) { return {_mm256_cmp_ps(a.v, b.v, _CMP_LT_OQ)}; }
 inline M operator==(F a, F b) { return {_mm256_cmp_ps(a.v, b.v, _CMP_EQ_OQ)}; }
+// !(a <= b): set where a > b and where either is NaN.
+inline M not_le(F a, F b) { return {_mm256_cmp_ps(a.v, b.v, _CMP_NLE_UQ)}; }
 inline F select(M m, F if_set, F if_clear) { return {_mm256_blendv_ps(if_clear.v, if_set.v, m.v)}; }
 inline bool all(M m) { return _mm256_movemask_ps(m.v) == 0xff; }
 

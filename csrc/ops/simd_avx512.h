@@ -76,6 +76,8 @@ inline F ldexp(F a, F n) {
 
 inline M operator<(F a, F b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ)}; }
 inline M operator==(F a, F b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ)}; }
+// !(a <= b): set where a > b and where either is NaN.
+inline M not_le(F a, F b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_NLE_UQ)}; }
 inline F select(M m, F if_set, F if_clear) { return {_mm512_mask_blend_ps(m.k, if_clear.v, if_set.v)}; }
 inline bool all(M m) { return m.k == 0xffff; }
 

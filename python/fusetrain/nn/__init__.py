@@ -1,5 +1,6 @@
-"""Fused neural-network pieces: ``CrossEntropyLoss`` and, in
-``fusetrain.nn.functional``, ``softmax_cross_entropy``."""
+"""Fused neural-network pieces: ``CrossEntropyLoss``, ``BatchNormReLU2d``
+and, in ``fusetrain.nn.functional``, ``softmax_cross_entropy`` and
+``batch_norm_relu``."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from typing import Optional
 import torch
 
 from . import functional
-from .functional import softmax_cross_entropy
+from .functional import batch_norm_relu, softmax_cross_entropy
 
-__all__ = ["CrossEntropyLoss", "functional", "softmax_cross_entropy"]
+__all__ = ["BatchNormReLU2d", "CrossEntropyLoss", "batch_norm_relu", "functional", "softmax_cross_entropy"]
 
 
 class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
@@ -44,4 +45,37 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
             ignore_index=self.ignore_index,
             reduction=self.reduction,
             label_smoothing=self.label_smoothing,
+        )
+
+
+class BatchNormReLU2d(torch.nn.BatchNorm2d):
+    """``torch.nn.BatchNorm2d`` followed by a ReLU, fused
+    (:func:`fusetrain.nn.functional.batch_norm_relu`): the same constructor
+    arguments, parameters, buffers and state dict (it is a subclass; a
+    checkpoint of the BatchNorm2d it replaces loads), ``num_batches_tracked``
+    and ``momentum=None`` handled as torch's module handles them. Replaces
+    ``nn.BatchNorm2d(c), nn.ReLU()`` in a model."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        # As torch.nn.modules.batchnorm._BatchNorm.forward.
+        if self.momentum is None:
+            exponential_average_factor = 0.0
+        else:
+            exponential_average_factor = self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                exponential_average_factor = 1.0 / float(self.num_batches_tracked)
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        tracked = not self.training or self.track_running_stats
+        return batch_norm_relu(
+            input,
+            self.running_mean if tracked else None,
+            self.running_var if tracked else None,
+            self.weight,
+            self.bias,
+            bn_training,
+            exponential_average_factor,
+            self.eps,
         )

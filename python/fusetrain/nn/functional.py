@@ -1,5 +1,6 @@
-"""Fused losses: ``softmax_cross_entropy``, a drop-in for ``F.cross_entropy``
-with class-index targets.
+"""Fused losses and layers: ``softmax_cross_entropy``, a drop-in for
+``F.cross_entropy`` with class-index targets, and ``batch_norm_relu``,
+``F.batch_norm`` followed by a ReLU in one op each way on the CPU.
 
 One pass over the logits forward (online log-sum-exp in fp32) and one
 backward (the softmax recomputed from the logits and the saved per-row
@@ -20,7 +21,7 @@ from torch.nn import _reduction
 
 from .. import _C  # noqa: F401  (registers the fusetrain ops)
 
-__all__ = ["softmax_cross_entropy", "cross_entropy"]
+__all__ = ["softmax_cross_entropy", "cross_entropy", "batch_norm_relu"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -140,3 +141,73 @@ def _apply(logits, target, ignore_index, label_smoothing, reduction):
 
 # F.cross_entropy's name, for ``import fusetrain.nn.functional as F``.
 cross_entropy = softmax_cross_entropy
+
+
+_BN_FORWARD = torch.ops.fusetrain.batch_norm_relu.default
+_BN_BACKWARD = torch.ops.fusetrain.batch_norm_relu_backward.default
+
+
+class _BatchNormRelu(torch.autograd.Function):
+    """input [N, C, *] -> relu(batch_norm(input)); saves the input, the output
+    (the ReLU's mask) and the statistics used, for the backward op."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, running_mean, running_var, training, momentum, eps, relu):
+        out, mean, invstd = _BN_FORWARD(input, weight, bias, running_mean, running_var, training,
+                                        momentum, eps, relu)
+        ctx.save_for_backward(input, out if relu else None, weight, mean, invstd)
+        ctx.training = training
+        ctx.relu = relu
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        input, out, weight, mean, invstd = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1],
+                ctx.needs_input_grad[2]]
+        grad_input, grad_weight, grad_bias = _BN_BACKWARD(grad_out, input, out, weight, mean, invstd,
+                                                          ctx.training, ctx.relu, mask)
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def batch_norm_relu(
+    input: torch.Tensor,
+    running_mean: Optional[torch.Tensor],
+    running_var: Optional[torch.Tensor],
+    weight: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    relu: bool = True,
+) -> torch.Tensor:
+    """``F.relu(F.batch_norm(input, running_mean, running_var, weight, bias,
+    training, momentum, eps))``: the same arguments and semantics, or
+    ``F.batch_norm`` alone with ``relu=False``.
+
+    On the CPU, for float32, float16 and bfloat16 inputs of any shape [N, C,
+    *] and memory format (channels_last included; the output keeps it), with
+    weight and statistics in float32 or the input's dtype, one fused op
+    forward (the statistics in one pass, then normalisation and ReLU in
+    another) and one backward, fp32 math; in training the running statistics
+    are updated in place as ``F.batch_norm`` updates them. Elsewhere (CUDA,
+    float64) it is torch's ops. Not twice differentiable on the fused path.
+    """
+    if input.dim() < 2:
+        raise ValueError(
+            f"batch_norm_relu: input must have a batch and a channel dimension [N, C, ...], "
+            f"got shape {tuple(input.shape)}"
+        )
+    if training:
+        per_channel = input.numel() // max(input.shape[1], 1)
+        if per_channel == 1:
+            raise ValueError(
+                f"Expected more than 1 value per channel when training, got input size {input.size()}"
+            )
+    if not input.is_cpu or input.dtype not in _SUPPORTED_DTYPES:
+        out = torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training,
+                                             momentum, eps)
+        return torch.relu_(out) if relu else out
+    return _BatchNormRelu.apply(input, weight, bias, running_mean, running_var, bool(training),
+                                float(momentum), float(eps), bool(relu))
