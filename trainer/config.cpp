@@ -294,8 +294,9 @@ const std::vector<KeySpec>& config_schema() {
 
       key("precision.policy", K::kString, "auto",
           "compute precision (auto: mixed_bfloat16 on GPUs with bf16, mixed_float16 on older "
-          "ones; on a CPU mixed_bfloat16 where it computes bf16 natively (AMX-BF16, "
-          "AVX512-BF16), else float32; resolved at start and written to the run's config)",
+          "ones; on a CPU mixed_bfloat16 with AMX-BF16, or with AVX512-BF16 where a 0.1 s "
+          "probe runs bf16 convolutions and matmuls 1.2x faster than float32, else float32; "
+          "resolved at start and written to the run's config)",
           {"auto", "float32", "mixed_float16", "mixed_bfloat16", "mixed_float8"}),
       key("precision.fp8_min_features", K::kInt, "1024",
           "mixed_float8: linear layers whose in and out features are both at least this (and "

@@ -9,7 +9,13 @@
 #include <ATen/cuda/CUDAContext.h>
 #endif
 
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
 #include <algorithm>
+#include <chrono>
+#include <functional>
+#include <cstdio>
+#include <limits>
 #include <mutex>
 #include <sstream>
 
@@ -25,6 +31,64 @@ std::string join(const std::vector<std::string>& items) {
   std::ostringstream out;
   for (size_t i = 0; i < items.size(); ++i) out << (i ? ", " : "") << '"' << items[i] << '"';
   return out.str();
+}
+
+// Note [bfloat16 probe]
+// AVX512-BF16 alone does not make bf16 the faster precision. Measured on
+// 2-vCPU VMs with the same torch: oneDNN's bf16 convolutions ran 2.5x
+// float32's speed on an AVX-512 EPYC (Zen 4), but 0.7x (matmuls 0.55x) on a
+// Xeon whose VM shows AVX512-BF16 without AMX, where float32 trained the
+// default CNN 1.16x faster (2026-12-03). So where the CPU has AVX512-BF16 and
+// no AMX-BF16, best_policy times a 3x3 convolution and a matmul of the
+// default CNN's sizes in both dtypes (best of 5 after a warm-up, about 0.1 s,
+// once per process) and takes bf16 where it is kBf16Margin faster: the rest
+// of a bf16 step (casts, the float32 head) must be paid for too. With AMX
+// bf16 wins outright (1.7x the whole default run); without either it is
+// emulated and slower.
+constexpr double kBf16Margin = 1.2;
+
+struct Bf16Probe {
+  double float32_ms;
+  double bfloat16_ms;
+};
+
+double best_ms(const std::function<void()>& fn) {
+  fn();  // warm-up: oneDNN builds its kernel on the first call
+  double best = std::numeric_limits<double>::infinity();
+  for (int i = 0; i < 5; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    fn();
+    best = std::min(best, std::chrono::duration<double, std::milli>(
+                              std::chrono::steady_clock::now() - start)
+                              .count());
+  }
+  return best;
+}
+
+const Bf16Probe& bf16_probe() {
+  static const Bf16Probe probe = [] {
+    at::NoGradGuard no_grad;
+    // The dtypes below are the probe's, whatever autocast region calls it.
+    const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const at::Tensor x =
+        at::randn({32, 24, 28, 28}).contiguous(at::MemoryFormat::ChannelsLast);
+    const at::Tensor w = at::randn({24, 24, 3, 3}).contiguous(at::MemoryFormat::ChannelsLast);
+    const at::Tensor a = at::randn({512, 512});
+    const at::Tensor b = at::randn({512, 512});
+    auto time = [&](at::ScalarType dtype) {
+      const at::Tensor xd = x.to(dtype), wd = w.to(dtype), ad = a.to(dtype), bd = b.to(dtype);
+      return best_ms([&] { at::conv2d(xd, wd, {}, 1, 1); }) +
+             best_ms([&] { at::mm(ad, bd); });
+    };
+    return Bf16Probe{time(at::kFloat), time(at::kBFloat16)};
+  }();
+  return probe;
+}
+
+std::string ratio_text(double r) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2fx", r);
+  return buf;
 }
 }  // namespace
 
@@ -65,11 +129,21 @@ Policy best_policy(c10::DeviceType device_type) {
                     c10::DeviceTypeName(device_type, /*lower_case=*/true));
   const ops::CpuFeatures& f = ops::cpu_features();
   const std::string cpu = f.model.empty() ? "this CPU" : f.model;
-  if (f.amx_bf16 || f.avx512_bf16) {
+  if (f.amx_bf16) {
     Policy p("mixed_bfloat16");
-    p.reason_ = cpu + " computes bfloat16 natively (" +
-                (f.amx_bf16 ? std::string("AMX-BF16") : std::string("AVX512-BF16")) +
-                "): bf16 convolutions and matmuls run faster than float32";
+    p.reason_ = cpu + " computes bfloat16 natively (AMX-BF16): bf16 convolutions and matmuls run "
+                      "faster than float32";
+    return p;
+  }
+  if (f.avx512_bf16) {
+    // Note [bfloat16 probe]
+    const Bf16Probe& probe = bf16_probe();
+    const double speed = probe.float32_ms / probe.bfloat16_ms;
+    const bool bf16 = speed >= kBf16Margin;
+    Policy p(bf16 ? "mixed_bfloat16" : "float32");
+    p.reason_ = cpu + " has AVX512-BF16 without AMX, and a probe ran bf16 convolutions and "
+                      "matmuls at " + ratio_text(speed) + " float32's speed" +
+                (bf16 ? "" : " (bf16 needs " + ratio_text(kBf16Margin) + ")");
     return p;
   }
   Policy p("float32");

@@ -50,10 +50,11 @@ class Policy {
 /// its reason():
 ///   CUDA: mixed_bfloat16 where the GPU computes bfloat16 (compute capability
 ///         8.0 or newer), else mixed_float16;
-///   CPU:  mixed_bfloat16 where the CPU computes bfloat16 natively (AMX-BF16
-///         or AVX512-BF16, the instructions oneDNN's bf16 convolutions and
-///         matmuls use), else float32 (without them bf16 is emulated and
-///         slower than float32).
+///   CPU:  mixed_bfloat16 with AMX-BF16; with AVX512-BF16 alone, where a
+///         probe (a convolution and a matmul in both dtypes, about 0.1 s
+///         once per process) runs bf16 at least 1.2x faster than float32,
+///         else float32 (Note [bfloat16 probe] in policy.cpp); float32
+///         without either (bf16 is emulated and slower there).
 Policy best_policy(c10::DeviceType device_type);
 
 /// The process-wide default policy ("float32" until set).
