@@ -272,6 +272,8 @@ def machine_info(device: torch.device, threads: int) -> dict:
         features = _C.cpu_features()
         info["cpu_path"] = features["path"]  # the path fusetrain's CPU ops take (Note [CPU paths])
         info["cpu_isa"] = "avx512" if features["avx512"] else "avx2" if features["avx2"] else "scalar"
+        info["cpu_amx_bf16"] = bool(features.get("amx_bf16"))
+        info["cpu_avx512_bf16"] = bool(features.get("avx512_bf16"))
     except ImportError:
         info["fusetrain"] = None
     info["git"] = _git_describe()
@@ -306,14 +308,16 @@ def loadavg() -> Optional[float]:
 
 def machine_slug(info: dict) -> str:
     """A file-name-safe machine name: the GPU for CUDA runs, else the CPU
-    model, its best vector ISA where that is AVX-512 (VMs of one brand string
-    come with and without it) and the core count (host names of throwaway
-    machines say nothing)."""
+    model, its best vector ISA where that is AVX-512 and "amx" where it has
+    AMX-BF16 (VMs of one brand string come with and without each, and they
+    run at very different speeds) and the core count (host names of
+    throwaway machines say nothing)."""
     if info.get("gpu"):
         name = info["gpu"]
     else:
         name = re.sub(r"\b(\d+-Core Processor|Processor|CPU|\(R\)|\(TM\))", "", info["cpu_model"])
         isa = "-avx512" if info.get("cpu_isa") == "avx512" else ""
+        isa += "-amx" if info.get("cpu_amx_bf16") else ""
         name = f"{name}{isa}-{info['cpu_cores']}c"
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
     return slug or "machine"

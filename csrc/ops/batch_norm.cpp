@@ -8,11 +8,11 @@
 // backward (ReLU's mask, then the normalisation's reduction and its input
 // gradient), each pass a separate op with its own allocation. Here the
 // forward is two reads and one write (the statistics in one pass, as sums of
-// x - K and (x - K)^2 about a per-channel shift K, the channel's first value,
-// which keeps the variance free of cancellation; then y = max(0, x * alpha +
-// beta)) and the backward three reads to reduce (the ReLU's mask applied on
-// the fly from the saved output) and three reads and a write for the input
-// gradient.
+// x - K and (x - K)^2 about a per-channel shift K, the mean of the channel's
+// first few values, which keeps the variance clear of cancellation unless
+// those values are outliers; then y = max(0, (x - mean) * alpha + b)) and the
+// backward three reads to reduce (the ReLU's mask applied on the fly from the
+// saved output) and three reads and a write for the input gradient.
 //
 // The loops see the tensor in one of two layouts. Channels innermost
 // (channels_last, or [N, C]): element e of the flat array belongs to channel
@@ -20,13 +20,16 @@
 // period belongs to channel j % C, and per-channel constants become p-long
 // lane arrays: no gathers, no masks, one vector load per vector of data.
 // Planes (contiguous NCHW): each (n, c) plane is a run of H*W elements of one
-// channel, walked with p = kLanes and broadcast constants. The sums are formed
-// per fixed chunk (kBatchNormChunk elements, or one plane) in float32 for
-// kBatchNormBlock periods at a time, then in float64, and the chunks' sums
-// added in order, so the result does not depend on the thread count. The
-// vector paths (Note [CPU paths]) compute every element the same way, so
-// they differ only where the statistics' summation order (the lane count)
-// moves a rounding of mean or invstd.
+// channel, walked with p = kLanes and broadcast constants. The sums are
+// formed per fixed chunk (at least kBatchNormChunk elements, at most
+// kMaxChunks chunks, or one plane) in float32 for kBatchNormBlock periods at
+// a time, then in float64, and the chunks' sums added in order, so the
+// result does not depend on the thread count. The vector paths (Note [CPU
+// paths]) compute every element the same way, so they differ only where the
+// statistics' summation order (the lane count) moves a rounding of mean or
+// invstd. Layouts the loops would walk mostly in scalar tails (a period
+// beyond kMaxPeriod, planes under kMinPlane elements) run the ATen
+// composition of generic.cpp instead.
 #include <fusetrain/ops/batch_norm.h>
 #include <fusetrain/ops/checks.h>
 #include <fusetrain/ops/cpu_features.h>
@@ -56,6 +59,39 @@ constexpr const char* kBackwardOp = "fusetrain::batch_norm_relu_backward";
 constexpr int64_t kBatchNormChunk = 1 << 15;
 // Periods summed in float32 before the float64 accumulators take them.
 constexpr int64_t kBatchNormBlock = 16;
+// At most this many chunks (each holds 2 C float64 sums): a bound on the
+// scratch for wide [N, C] inputs that keeps the summation order fixed.
+constexpr int64_t kMaxChunks = 64;
+// Layouts the loops walk badly go to the device-generic implementation: a
+// period longer than this (a wide odd C: p = lcm(kLanes, C) up to 16 C, most
+// of it scalar tail for a small batch), or planes shorter than this (all
+// scalar tail).
+constexpr int64_t kMaxPeriod = 8192;
+constexpr int64_t kMinPlane = 16;
+// Rows (channels innermost) or elements (planes) whose mean is the shift.
+constexpr int64_t kShiftRows = 16;
+constexpr int64_t kShiftElements = 64;
+
+// n zeroed values of T, on the stack when few (the lane arrays and sums of
+// most layers), else on the heap: the plane walk asks for them per plane.
+template <typename T>
+class Scratch {
+ public:
+  explicit Scratch(int64_t n) {
+    if (n > kInline) heap_.resize(static_cast<size_t>(n));
+    data_ = n > kInline ? heap_.data() : inline_;
+    std::fill_n(data_, n, T(0));
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  T* data() { return data_; }
+
+ private:
+  static constexpr int64_t kInline = 512;
+  T inline_[kInline];
+  std::vector<T> heap_;
+  T* data_;
+};
 
 // The per-lane constants of the input gradient (Note [Batch norm CPU passes]).
 struct BatchNormGradLanes {
@@ -188,7 +224,7 @@ namespace scalar {
 
 template <typename T>
 void moments(const T* x, int64_t n, int64_t p, const float* shift, double* s1, double* s2) {
-  std::vector<float> acc(2 * static_cast<size_t>(p), 0.f);
+  Scratch<float> acc(2 * p);
   float* a1 = acc.data();
   float* a2 = a1 + p;
   int64_t periods = 0;
@@ -210,11 +246,11 @@ void moments(const T* x, int64_t n, int64_t p, const float* shift, double* s1, d
 }
 
 template <typename T>
-void affine(const T* x, int64_t n, int64_t p, const float* alpha, const float* beta, bool relu,
-            T* y) {
+void affine(const T* x, int64_t n, int64_t p, const float* mean, const float* alpha,
+            const float* bias, bool relu, T* y) {
   for (int64_t e = 0; e < n; e += p) {
     for (int64_t j = 0; j < p && e + j < n; ++j) {
-      const float v = std::fma(static_cast<float>(x[e + j]), alpha[j], beta[j]);
+      const float v = std::fma(static_cast<float>(x[e + j]) - mean[j], alpha[j], bias[j]);
       y[e + j] = static_cast<T>(relu && 0.f > v ? 0.f : v);  // NaN stays NaN
     }
   }
@@ -229,7 +265,7 @@ float passed(const T* dy, const T* out, bool relu) {
 template <typename T>
 void grad_moments(const T* dy, const T* out, const T* x, int64_t n, int64_t p, const float* mean,
                   bool relu, double* sg, double* sgx) {
-  std::vector<float> acc(2 * static_cast<size_t>(p), 0.f);
+  Scratch<float> acc(2 * p);
   float* a1 = acc.data();
   float* a2 = a1 + p;
   int64_t periods = 0;
@@ -281,7 +317,7 @@ template <typename T>
 struct Loops {
   int64_t lanes;
   void (*moments)(const T*, int64_t, int64_t, const float*, double*, double*);
-  void (*affine)(const T*, int64_t, int64_t, const float*, const float*, bool, T*);
+  void (*affine)(const T*, int64_t, int64_t, const float*, const float*, const float*, bool, T*);
   void (*grad_moments)(const T*, const T*, const T*, int64_t, int64_t, const float*, bool, double*,
                        double*);
   void (*grad_input)(const T*, const T*, const T*, int64_t, int64_t, const BatchNormGradLanes&,
@@ -373,7 +409,10 @@ Units units_of(const Walk& w, int64_t lanes) {
   if (w.numel == 0) return {0, 0, lanes};
   if (!w.innermost) return {w.batch * w.channels, w.plane, lanes};
   const int64_t p = std::lcm(lanes, w.channels);
-  const int64_t chunk = std::max<int64_t>(1, kBatchNormChunk / p) * p;
+  const int64_t periods = (w.numel + p - 1) / p;
+  const int64_t per_chunk =
+      std::max({int64_t{1}, kBatchNormChunk / p, (periods + kMaxChunks - 1) / kMaxChunks});
+  const int64_t chunk = per_chunk * p;
   return {(w.numel + chunk - 1) / chunk, chunk, p};
 }
 
@@ -421,8 +460,9 @@ std::pair<std::vector<double>, std::vector<double>> channel_sums(const Walk& w, 
   const int64_t per_unit = w.innermost ? c : 1;
   std::vector<double> partial(static_cast<size_t>(2 * units.count * per_unit), 0.0);
   for_each_unit(w, lanes, [&](int64_t u, int64_t offset, int64_t count, int64_t p, const auto& channel_of) {
-    std::vector<double> s(2 * static_cast<size_t>(p), 0.0);
-    unit_sums(u, offset, count, p, channel_of, s.data(), s.data() + p);
+    Scratch<double> sums(2 * p);
+    const double* s = sums.data();
+    unit_sums(u, offset, count, p, channel_of, sums.data(), sums.data() + p);
     double* out = partial.data() + 2 * u * per_unit;
     for (int64_t j = 0; j < p; ++j) {
       const int64_t slot = w.innermost ? channel_of(j) : 0;
@@ -452,6 +492,14 @@ void update_running(const at::Tensor& running, const std::vector<double>& batch,
       a[ch] = static_cast<scalar_t>(momentum * batch[static_cast<size_t>(ch)] + (1.0 - momentum) * old);
     }
   });
+  // As torch's in-place update: autograd sees the buffer changed.
+  if (!r.is_inference()) r.unsafeGetTensorImpl()->bump_version();
+}
+
+// Whether the loops walk `w` well (else the generic implementation runs).
+bool loops_suit(const Walk& w, int64_t lanes) {
+  return w.innermost ? std::lcm(lanes, std::max<int64_t>(w.channels, 1)) <= kMaxPeriod
+                     : w.plane >= kMinPlane;
 }
 
 template <typename T>
@@ -463,9 +511,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_typed(
   const Loops<T> loops = loops_for_path<T>();
   const at::Tensor x = walkable(x_in);
   const Walk w = *walk_of(x);
+  if (!loops_suit(w, loops.lanes))
+    return generic::batch_norm_relu(x_in, weight, bias, running_mean, running_var, training,
+                                    momentum, eps, relu);
   const int64_t c = w.channels;
   const auto f32 = x.options().dtype(at::kFloat);
-  at::Tensor out = at::empty_like(x, x.options(), w.format);
+  at::Tensor out = at::empty_like(x);  // x is dense: its strides
   const T* xp = x.const_data_ptr<T>();
   T* yp = out.data_ptr<T>();
 
@@ -473,15 +524,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_typed(
   if (training) {
     const int64_t count = w.numel / std::max<int64_t>(c, 1);
     if (count == 0) return {out, at::zeros({c}, f32), at::zeros({c}, f32)};
-    // The shift: each channel's first value.
+    // The shift: each channel's mean over its first few rows (or the first
+    // elements of its first plane), near the batch's mean unless those few
+    // values are outliers.
     std::vector<float> shift(static_cast<size_t>(c));
     for (int64_t ch = 0; ch < c; ++ch) {
-      shift[static_cast<size_t>(ch)] =
-          static_cast<float>(xp[w.innermost ? ch : ch * w.plane]);
+      const int64_t k = w.innermost ? std::min(kShiftRows, count) : std::min(kShiftElements, w.plane);
+      double sum = 0.0;
+      for (int64_t i = 0; i < k; ++i) {
+        sum += static_cast<double>(xp[w.innermost ? i * c + ch : ch * w.plane + i]);
+      }
+      shift[static_cast<size_t>(ch)] = static_cast<float>(sum / static_cast<double>(k));
     }
     auto [s1, s2] = channel_sums(w, loops.lanes, [&](int64_t, int64_t offset, int64_t n, int64_t p,
                                                      const auto& channel_of, double* a, double* b) {
-      std::vector<float> lanes(static_cast<size_t>(p));
+      Scratch<float> lanes(p);
       spread(shift, p, channel_of, lanes.data());
       loops.moments(xp + offset, n, p, lanes.data(), a, b);
     });
@@ -490,7 +547,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_typed(
     for (int64_t ch = 0; ch < c; ++ch) {
       const size_t i = static_cast<size_t>(ch);
       const double d = s1[i] / n;
-      const double var_sum = std::max(0.0, s2[i] - s1[i] * d);
+      double var_sum = s2[i] - s1[i] * d;
+      if (var_sum < 0.0) var_sum = 0.0;  // rounding; a NaN stays NaN, as in torch
       batch_mean[i] = shift[i] + d;
       unbiased[i] = var_sum / (n - 1.0);
       mean[i] = static_cast<float>(batch_mean[i]);
@@ -509,18 +567,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_typed(
     }
   }
 
-  // y = x * alpha + beta, torch's form: alpha = invstd * w, beta = b - mean * alpha.
+  // y = (x - mean) * alpha + b with alpha = invstd * w: torch's x * alpha +
+  // (b - mean * alpha) would round mean * alpha, which is large where the
+  // spread is small against the mean.
   const std::vector<float> wv = floats_of(weight, c, 1.f), bv = floats_of(bias, c, 0.f);
-  std::vector<float> alpha(static_cast<size_t>(c)), beta(static_cast<size_t>(c));
-  for (size_t i = 0; i < alpha.size(); ++i) {
-    alpha[i] = invstd[i] * wv[i];
-    beta[i] = bv[i] - mean[i] * alpha[i];
-  }
+  std::vector<float> alpha(static_cast<size_t>(c));
+  for (size_t i = 0; i < alpha.size(); ++i) alpha[i] = invstd[i] * wv[i];
   for_each_unit(w, loops.lanes, [&](int64_t, int64_t offset, int64_t n, int64_t p, const auto& channel_of) {
-    std::vector<float> lanes(2 * static_cast<size_t>(p));
-    spread(alpha, p, channel_of, lanes.data());
-    spread(beta, p, channel_of, lanes.data() + p);
-    loops.affine(xp + offset, n, p, lanes.data(), lanes.data() + p, relu, yp + offset);
+    Scratch<float> lanes(3 * p);
+    float* l = lanes.data();
+    spread(mean, p, channel_of, l);
+    spread(alpha, p, channel_of, l + p);
+    spread(bv, p, channel_of, l + 2 * p);
+    loops.affine(xp + offset, n, p, l, l + p, l + 2 * p, relu, yp + offset);
   });
   return {out, float_tensor(mean, f32), float_tensor(invstd, f32)};
 }
@@ -557,6 +616,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_typed(
   const Loops<T> loops = loops_for_path<T>();
   const at::Tensor x = walkable(input);
   const Walk w = *walk_of(x);
+  if (!loops_suit(w, loops.lanes))
+    return generic::batch_norm_relu_backward(grad_out, input, output, weight, save_mean,
+                                             save_invstd, training, relu, mask);
   const int64_t c = w.channels;
   // Every operand in the input's layout, so one walk serves them all.
   const at::Tensor dy = grad_out.contiguous(w.format);
@@ -573,7 +635,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_typed(
   if (need_sums) {
     std::tie(sg, sgx) = channel_sums(w, loops.lanes, [&](int64_t, int64_t offset, int64_t n, int64_t p,
                                                          const auto& channel_of, double* a, double* b) {
-      std::vector<float> lanes(static_cast<size_t>(p));
+      Scratch<float> lanes(p);
       spread(mean, p, channel_of, lanes.data());
       loops.grad_moments(dyp + offset, yp + offset, xp + offset, n, p, lanes.data(), relu, a, b);
     });
@@ -581,7 +643,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_typed(
 
   at::Tensor grad_input, grad_weight, grad_bias;
   if (mask[0]) {
-    grad_input = at::empty_like(x, x.options(), w.format);
+    grad_input = at::empty_like(x);
     const double count = static_cast<double>(w.numel / std::max<int64_t>(c, 1));
     std::vector<float> a(static_cast<size_t>(c)), b(a.size()), k(a.size());
     for (size_t i = 0; i < a.size(); ++i) {
@@ -594,7 +656,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_typed(
     T* dxp = grad_input.data_ptr<T>();
     for_each_unit(w, loops.lanes, [&](int64_t, int64_t offset, int64_t n, int64_t p,
                                       const auto& channel_of) {
-      std::vector<float> lanes(4 * static_cast<size_t>(p));
+      Scratch<float> lanes(4 * p);
       float* l = lanes.data();
       spread(mean, p, channel_of, l);
       spread(a, p, channel_of, l + p);
@@ -647,7 +709,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_meta(
     const std::optional<at::Tensor>& running_var, bool training, double, double, bool) {
   check_batch_norm_forward_args(input, weight, bias, running_mean, running_var, training);
   const auto f32 = input.options().dtype(at::kFloat);
-  return {at::empty_like(input, input.options(), input.suggest_memory_format()),
+  return {at::empty_like(input),
           at::empty({input.size(1)}, f32), at::empty({input.size(1)}, f32)};
 }
 
@@ -657,7 +719,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_meta(
     const at::Tensor& save_invstd, bool, bool relu, std::array<bool, 3> mask) {
   check_batch_norm_backward_args(grad_out, input, output, weight, save_mean, save_invstd, relu);
   const auto param = input.options().dtype(given(weight) ? weight->scalar_type() : at::kFloat);
-  return {mask[0] ? at::empty_like(input, input.options(), input.suggest_memory_format())
+  return {mask[0] ? at::empty_like(input)
                   : at::Tensor(),
           mask[1] && given(weight) ? at::empty({input.size(1)}, param) : at::Tensor(),
           mask[2] ? at::empty({input.size(1)}, param) : at::Tensor()};

@@ -353,6 +353,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_relu(
     const std::optional<at::Tensor>& running_var, bool training, double momentum, double eps,
     bool relu) {
   check_batch_norm_forward_args(input, weight, bias, running_mean, running_var, training);
+  const auto f32 = input.options().dtype(at::kFloat);
+  if (input.numel() == 0) {  // nothing to normalise; the running statistics stay
+    return {at::empty_like(input), at::zeros({input.size(1)}, f32), at::zeros({input.size(1)}, f32)};
+  }
   const ChannelDims d = channel_dims(input);
   const at::Tensor x = input.to(at::kFloat);
   at::Tensor mean, var;
@@ -366,15 +370,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_relu(
       running_var->copy_(running_var->to(at::kFloat).mul(1.0 - momentum).add(unbiased.mul(momentum)));
     }
   } else {
-    mean = running_mean->to(at::kFloat);
+    // Copies: the outputs must not alias the buffers the next step updates.
+    mean = running_mean->to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
     var = running_var->to(at::kFloat);
   }
   const at::Tensor invstd = var.add(eps).rsqrt();
+  // The CPU kernels' form: (x - mean) * alpha + b.
   const at::Tensor alpha = invstd.mul(param_or(weight, input, 1.f));
-  const at::Tensor beta = param_or(bias, input, 0.f).sub(mean.mul(alpha));
-  at::Tensor y = x.mul(alpha.view(d.broadcast)).add(beta.view(d.broadcast));
+  at::Tensor y = x.sub(mean.view(d.broadcast))
+                     .mul(alpha.view(d.broadcast))
+                     .add(param_or(bias, input, 0.f).view(d.broadcast));
   if (relu) y = at::relu(y);
-  at::Tensor out = y.to(input.scalar_type()).contiguous(input.suggest_memory_format());
+  at::Tensor out = at::empty_like(input, input.options().dtype(input.scalar_type()));
+  out.copy_(y);
   return {out, mean.contiguous(), invstd.contiguous()};
 }
 
@@ -400,7 +408,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_relu_backward(
       gi = g.sub(sg.view(d.broadcast).div(n))
                .sub(centred.mul(invstd.square()).mul(sgx.view(d.broadcast).div(n)));
     }
-    grad_input = gi.mul(a).to(input.scalar_type()).contiguous(input.suggest_memory_format());
+    grad_input = at::empty_like(input);
+    grad_input.copy_(gi.mul(a));
   }
   if (output_mask[1] && given(weight)) grad_weight = sgx.mul(save_invstd).to(param_dtype);
   if (output_mask[2]) grad_bias = sg.to(param_dtype);

@@ -319,3 +319,77 @@ def test_cuda_runs_torchs_ops_and_the_generic_op():
         torch.testing.assert_close(c.cpu().float(), a.float(), rtol=2**-7, atol=1e-5)
     y = fusetrain.nn.functional.batch_norm_relu(x.cuda(), rm.cuda(), rv.cuda(), w.cuda(), b.cuda(), True)
     torch.testing.assert_close(y.cpu().float(), cpu[0].float(), rtol=2**-7, atol=1e-2)
+
+
+EDGE_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, fusetrain
+    torch.manual_seed(0)
+    op = torch.ops.fusetrain.batch_norm_relu
+    out = {}
+    # Evaluation: save_mean is a new tensor, not the running buffer.
+    x = torch.randn(4, 3, 5, 5)
+    rm, rv = torch.randn(3), torch.rand(3) + 0.5
+    y, mean, invstd = op(x, None, None, rm, rv, False, 0.1, 1e-5, True)
+    out["eval_alias"] = mean.data_ptr() == rm.data_ptr()
+    # An empty batch leaves the running statistics.
+    rm0, rv0 = rm.clone(), rv.clone()
+    op(torch.randn(0, 3, 4, 4), None, None, rm0, rv0, True, 0.1, 1e-5, True)
+    out["empty_rm"], out["empty_rv"] = rm0, rv0
+    # A NaN in channel 0 and an inf in channel 1 reach the running variance.
+    z = torch.randn(4, 3, 4, 4)
+    z[1, 0, 2, 2], z[2, 1, 0, 3] = float("nan"), float("inf")
+    rmz, rvz = torch.zeros(3), torch.ones(3)
+    op(z, None, None, rmz, rvz, True, 0.1, 1e-5, True)
+    out["nan_rv"] = rvz
+    # Output strides: those of a dense input ([2, 1, 5, 5]; [4, 3, 1, 1] channels_last).
+    out["strides"] = [(t.stride(), op(t, None, None, None, None, True, 0.1, 1e-5, True)[0].stride())
+                      for t in (torch.randn(2, 1, 5, 5), torch.randn(4, 3, 1, 1),
+                                torch.randn(4, 3, 1, 1).contiguous(memory_format=torch.channels_last),
+                                torch.randn(2, 1, 5, 5).contiguous(memory_format=torch.channels_last))]
+    torch.save(out, sys.argv[1])
+    """
+)
+
+
+@pytest.mark.parametrize("path", ["default", "generic"])
+def test_edge_cases_as_torch(path, tmp_path):
+    """As torch's batch norm: evaluation's saved mean is not the running
+    buffer, an empty batch leaves the running statistics, a NaN or inf
+    reaches the running variance, the output takes a dense input's strides;
+    on the kernels and on the device-generic implementation."""
+    file = tmp_path / "out.pt"
+    env = dict(os.environ)
+    if path == "generic":
+        env["FUSETRAIN_CPU_PATH"] = "generic"
+    subprocess.run([sys.executable, "-c", EDGE_SCRIPT, str(file)], check=True, env=env)
+    res = torch.load(file)
+    assert res["eval_alias"] is False
+    torch.manual_seed(0)
+    torch.randn(4, 3, 5, 5)
+    rm, rv = torch.randn(3), torch.rand(3) + 0.5
+    assert torch.equal(res["empty_rm"], rm) and torch.equal(res["empty_rv"], rv)
+    assert torch.isnan(res["nan_rv"][0]) and not torch.isfinite(res["nan_rv"][1]) and torch.isfinite(res["nan_rv"][2])
+    for given, got in res["strides"]:
+        assert got == given
+
+
+def test_running_statistics_update_bumps_their_version():
+    x = torch.randn(4, 3, 5, 5)
+    rm, rv = torch.zeros(3), torch.ones(3)
+    before = rm._version, rv._version
+    OP(x, None, None, rm, rv, True, 0.1, 1e-5, True)
+    assert rm._version > before[0] and rv._version > before[1]
+
+
+@pytest.mark.parametrize("shape", [(16, 10007), (64, 4096)], ids=str)
+def test_wide_inputs_match_float64(shape):
+    """A period beyond the loops' limit (an odd wide C) takes the generic
+    composition, a wide even C the loops with bounded scratch: both exact."""
+    x, w, b, rm, rv, dy = make(shape, torch.contiguous_format, torch.float32)
+    out, mean, invstd = OP(x, w, b, rm.clone(), rv.clone(), True, 0.1, 1e-5, True)
+    mask = (~(out <= 0)).double()
+    ref_out, _, _, gx, _, _ = reference(x, w, b, rm, rv, True, mask, dy)
+    assert_elementwise(out, ref_out, torch.float32, "out")
+    gi, _, _ = BACKWARD(dy, x, out, w, mean, invstd, True, True, [True, True, True])
+    assert_elementwise(gi, gx, torch.float32, "grad_input")

@@ -54,7 +54,10 @@ class BatchNormReLU2d(torch.nn.BatchNorm2d):
     arguments, parameters, buffers and state dict (it is a subclass; a
     checkpoint of the BatchNorm2d it replaces loads), ``num_batches_tracked``
     and ``momentum=None`` handled as torch's module handles them. Replaces
-    ``nn.BatchNorm2d(c), nn.ReLU()`` in a model."""
+    ``nn.BatchNorm2d(c), nn.ReLU()`` in a model. Being a BatchNorm2d, it is
+    what tools that rewrite batch norms by type see, and their rewrite
+    drops the ReLU (``SyncBatchNorm.convert_sync_batchnorm``,
+    ``torch.ao``'s conv + bn fusion): convert before swapping it in."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
