@@ -44,6 +44,7 @@
 #include <cmath>
 #include <cstdint>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include <fusetrain/ops/simd_avx2.h>
@@ -222,17 +223,20 @@ namespace {
 // operations as batch_norm_loops.inc, one lane at a time.
 namespace scalar {
 
-template <typename T>
-void moments(const T* x, int64_t n, int64_t p, const float* shift, double* s1, double* s2) {
+// Per lane index j: s1[j] += sum u, s2[j] += sum u * w over the elements,
+// (u, w) = terms(e, j) for element e at lane j; float32 for kBatchNormBlock
+// periods at a time, then float64.
+template <typename Terms>
+void lane_sums(int64_t n, int64_t p, const Terms& terms, double* s1, double* s2) {
   Scratch<float> acc(2 * p);
   float* a1 = acc.data();
   float* a2 = a1 + p;
   int64_t periods = 0;
   for (int64_t e = 0; e < n; e += p) {
     for (int64_t j = 0; j < p && e + j < n; ++j) {
-      const float v = static_cast<float>(x[e + j]) - shift[j];
-      a1[j] += v;
-      a2[j] = std::fma(v, v, a2[j]);
+      const auto [u, w] = terms(e + j, j);
+      a1[j] += u;
+      a2[j] = std::fma(u, w, a2[j]);
     }
     if (++periods == kBatchNormBlock || e + p >= n) {
       for (int64_t j = 0; j < p; ++j) {
@@ -243,6 +247,17 @@ void moments(const T* x, int64_t n, int64_t p, const float* shift, double* s1, d
       periods = 0;
     }
   }
+}
+
+template <typename T>
+void moments(const T* x, int64_t n, int64_t p, const float* shift, double* s1, double* s2) {
+  lane_sums(
+      n, p,
+      [&](int64_t e, int64_t j) {
+        const float v = static_cast<float>(x[e]) - shift[j];
+        return std::pair{v, v};
+      },
+      s1, s2);
 }
 
 template <typename T>
@@ -265,25 +280,12 @@ float passed(const T* dy, const T* out, bool relu) {
 template <typename T>
 void grad_moments(const T* dy, const T* out, const T* x, int64_t n, int64_t p, const float* mean,
                   bool relu, double* sg, double* sgx) {
-  Scratch<float> acc(2 * p);
-  float* a1 = acc.data();
-  float* a2 = a1 + p;
-  int64_t periods = 0;
-  for (int64_t e = 0; e < n; e += p) {
-    for (int64_t j = 0; j < p && e + j < n; ++j) {
-      const float g = passed(dy + e + j, out + e + j, relu);
-      a1[j] += g;
-      a2[j] = std::fma(g, static_cast<float>(x[e + j]) - mean[j], a2[j]);
-    }
-    if (++periods == kBatchNormBlock || e + p >= n) {
-      for (int64_t j = 0; j < p; ++j) {
-        sg[j] += a1[j];
-        sgx[j] += a2[j];
-        a1[j] = a2[j] = 0.f;
-      }
-      periods = 0;
-    }
-  }
+  lane_sums(
+      n, p,
+      [&](int64_t e, int64_t j) {
+        return std::pair{passed(dy + e, out + e, relu), static_cast<float>(x[e]) - mean[j]};
+      },
+      sg, sgx);
 }
 
 template <typename T>

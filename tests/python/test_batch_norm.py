@@ -310,7 +310,7 @@ def test_compiled_model_matches_eager():
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_runs_torchs_ops_and_the_generic_op():
     x, w, b, rm, rv, dy = make((8, 24, 5, 5), torch.channels_last, torch.bfloat16)
     cpu = OP(x, w, b, rm.clone(), rv.clone(), True, 0.1, 1e-5, True)
