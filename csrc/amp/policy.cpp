@@ -38,53 +38,42 @@ std::string join(const std::vector<std::string>& items) {
 // 2-vCPU VMs with the same torch: oneDNN's bf16 convolutions ran 2.5x
 // float32's speed on an AVX-512 EPYC (Zen 4), but 0.7x (matmuls 0.55x) on a
 // Xeon whose VM shows AVX512-BF16 without AMX, where float32 trained the
-// default CNN 1.16x faster (2026-12-03). So where the CPU has AVX512-BF16 and
-// no AMX-BF16, best_policy times a 3x3 convolution and a matmul of the
-// default CNN's sizes in both dtypes (best of 5 after a warm-up, about 0.1 s,
-// once per process) and takes bf16 where it is kBf16Margin faster: the rest
-// of a bf16 step (casts, the float32 head) must be paid for too. With AMX
-// bf16 wins outright (1.7x the whole default run); without either it is
-// emulated and slower.
+// default CNN 1.21x faster (2026-12-03). So where the CPU has AVX512-BF16 and
+// no AMX-BF16, best_policy measures (measure_cpu_bf16_speed, once per
+// process) and takes bf16 where it is kBf16Margin faster: the rest of a bf16
+// step (casts, the float32 head) must be paid for too. The probe runs on one
+// thread, as each trainer rank does, and alternates the dtypes, keeping each
+// one's best time: with two threads on a busy 2-core machine a barrier
+// waits for a preempted thread, and one such run read 2.7x where the quiet
+// machine reads 0.55x. With AMX bf16 wins outright (1.7x the whole default
+// run); without either it is emulated and slower.
 constexpr double kBf16Margin = 1.2;
 
-struct Bf16Probe {
-  double float32_ms;
-  double bfloat16_ms;
+// Restores the intra-op thread count on scope exit.
+class ThreadCountGuard {
+ public:
+  explicit ThreadCountGuard(int threads) : previous_(at::get_num_threads()) {
+    at::set_num_threads(threads);
+  }
+  ~ThreadCountGuard() { at::set_num_threads(previous_); }
+  ThreadCountGuard(const ThreadCountGuard&) = delete;
+  ThreadCountGuard& operator=(const ThreadCountGuard&) = delete;
+
+ private:
+  int previous_;
 };
 
-double best_ms(const std::function<void()>& fn) {
-  fn();  // warm-up: oneDNN builds its kernel on the first call
-  double best = std::numeric_limits<double>::infinity();
-  for (int i = 0; i < 5; ++i) {
-    const auto start = std::chrono::steady_clock::now();
-    fn();
-    best = std::min(best, std::chrono::duration<double, std::milli>(
-                              std::chrono::steady_clock::now() - start)
-                              .count());
-  }
-  return best;
+double elapsed_ms(const std::function<void()>& fn) {
+  const auto start = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+      .count();
 }
 
-const Bf16Probe& bf16_probe() {
-  static const Bf16Probe probe = [] {
-    at::NoGradGuard no_grad;
-    // The dtypes below are the probe's, whatever autocast region calls it.
-    const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-    const at::Tensor x =
-        at::randn({32, 24, 28, 28}).contiguous(at::MemoryFormat::ChannelsLast);
-    const at::Tensor w = at::randn({24, 24, 3, 3}).contiguous(at::MemoryFormat::ChannelsLast);
-    const at::Tensor a = at::randn({512, 512});
-    const at::Tensor b = at::randn({512, 512});
-    auto time = [&](at::ScalarType dtype) {
-      const at::Tensor xd = x.to(dtype), wd = w.to(dtype), ad = a.to(dtype), bd = b.to(dtype);
-      return best_ms([&] { at::conv2d(xd, wd, {}, 1, 1); }) +
-             best_ms([&] { at::mm(ad, bd); });
-    };
-    return Bf16Probe{time(at::kFloat), time(at::kBFloat16)};
-  }();
-  return probe;
+double cached_bf16_speed() {
+  static const double speed = measure_cpu_bf16_speed();
+  return speed;
 }
-
 std::string ratio_text(double r) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.2fx", r);
@@ -96,6 +85,38 @@ const std::vector<std::string>& Policy::names() {
   static const std::vector<std::string> kNames = {"float32", "mixed_float16", "mixed_bfloat16",
                                                      "mixed_float8"};
   return kNames;
+}
+
+double measure_cpu_bf16_speed() {
+  at::NoGradGuard no_grad;
+  // The dtypes below are the probe's, whatever autocast region calls it.
+  const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  const ThreadCountGuard one_thread(1);
+  const at::Tensor x = at::randn({32, 24, 28, 28}).contiguous(at::MemoryFormat::ChannelsLast);
+  const at::Tensor w = at::randn({24, 24, 3, 3}).contiguous(at::MemoryFormat::ChannelsLast);
+  const at::Tensor a = at::randn({384, 384});
+  const at::Tensor b = at::randn({384, 384});
+  struct Operands {
+    at::Tensor x, w, a, b;
+  };
+  const Operands f32{x, w, a, b};
+  const Operands bf16{x.to(at::kBFloat16), w.to(at::kBFloat16), a.to(at::kBFloat16),
+                      b.to(at::kBFloat16)};
+  const auto work = [](const Operands& o) {
+    return [&o] {
+      at::conv2d(o.x, o.w, {}, 1, 1);
+      at::mm(o.a, o.b);
+    };
+  };
+  const auto run_f32 = work(f32), run_bf16 = work(bf16);
+  run_f32();  // warm-up: oneDNN builds its kernels on the first call
+  run_bf16();
+  double best_f32 = std::numeric_limits<double>::infinity(), best_bf16 = best_f32;
+  for (int i = 0; i < 7; ++i) {
+    best_f32 = std::min(best_f32, elapsed_ms(run_f32));
+    best_bf16 = std::min(best_bf16, elapsed_ms(run_bf16));
+  }
+  return best_f32 / best_bf16;
 }
 
 Policy::Policy(const std::string& name) : name_(name) {
@@ -137,8 +158,7 @@ Policy best_policy(c10::DeviceType device_type) {
   }
   if (f.avx512_bf16) {
     // Note [bfloat16 probe]
-    const Bf16Probe& probe = bf16_probe();
-    const double speed = probe.float32_ms / probe.bfloat16_ms;
+    const double speed = cached_bf16_speed();
     const bool bf16 = speed >= kBf16Margin;
     Policy p(bf16 ? "mixed_bfloat16" : "float32");
     p.reason_ = cpu + " has AVX512-BF16 without AMX, and a probe ran bf16 convolutions and "

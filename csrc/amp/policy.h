@@ -51,11 +51,18 @@ class Policy {
 ///   CUDA: mixed_bfloat16 where the GPU computes bfloat16 (compute capability
 ///         8.0 or newer), else mixed_float16;
 ///   CPU:  mixed_bfloat16 with AMX-BF16; with AVX512-BF16 alone, where a
-///         probe (a convolution and a matmul in both dtypes, about 0.1 s
-///         once per process) runs bf16 at least 1.2x faster than float32,
+///         probe (measure_cpu_bf16_speed, once per process) runs bf16 at
+///         least 1.2x faster than float32,
 ///         else float32 (Note [bfloat16 probe] in policy.cpp); float32
 ///         without either (bf16 is emulated and slower there).
 Policy best_policy(c10::DeviceType device_type);
+
+/// float32 time / bfloat16 time of a 3x3 convolution and a matmul of the
+/// default CNN's sizes on one thread, best of 7 each, interleaved (Note
+/// [bfloat16 probe] in policy.cpp): what best_policy(CPU) measures once on
+/// CPUs with AVX512-BF16 and no AMX-BF16. Measures afresh on every call
+/// (about 0.1 s); restores the intra-op thread count.
+double measure_cpu_bf16_speed();
 
 /// The process-wide default policy ("float32" until set).
 void set_global_policy(const Policy& policy);

@@ -88,6 +88,8 @@ PYBIND11_MODULE(_C, m) {
     const fusetrain::amp::Policy p = fusetrain::amp::best_policy(parse_device_type(device));
     return py::make_tuple(p.name(), p.reason());
   }, py::arg("device_type"));
+  m.def("cpu_bf16_speed", &fusetrain::amp::measure_cpu_bf16_speed,
+        py::call_guard<py::gil_scoped_release>());
   m.def("cpu_features", [] {
     const fusetrain::ops::CpuFeatures& f = fusetrain::ops::cpu_features();
     py::dict d;
