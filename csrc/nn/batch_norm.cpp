@@ -78,7 +78,9 @@ at::Tensor batch_norm_relu(torch::nn::BatchNorm2dImpl& bn, const at::Tensor& inp
   double momentum = options.momentum().value_or(0.0);
   if (bn.is_training() && options.track_running_stats() && bn.num_batches_tracked.defined()) {
     // As torch::nn::BatchNorm2d's forward: count the batch, and without a
-    // momentum average the running statistics over every batch so far.
+    // momentum average the running statistics over every batch so far. That
+    // reads the count on the host, as torch's module does (a device sync off
+    // the CPU); with a momentum, the default, nothing is read.
     bn.num_batches_tracked += 1;
     if (!options.momentum().has_value()) momentum = 1.0 / bn.num_batches_tracked.item<double>();
   }

@@ -504,6 +504,21 @@ bool loops_suit(const Walk& w, int64_t lanes) {
                      : w.plane >= kMinPlane;
 }
 
+// fn(T{}) for the element type T of `dtype`: float, c10::Half or c10::BFloat16.
+template <typename Fn>
+auto with_element_type(at::ScalarType dtype, const char* op, const Fn& fn) {
+  switch (dtype) {
+    case at::kFloat:
+      return fn(float{});
+    case at::kHalf:
+      return fn(c10::Half{});
+    case at::kBFloat16:
+      return fn(c10::BFloat16{});
+    default:
+      TORCH_CHECK(false, op, ": unsupported dtype ", dtype);
+  }
+}
+
 template <typename T>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_typed(
     const at::Tensor& x_in, const std::optional<at::Tensor>& weight,
@@ -595,19 +610,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cpu(
     return generic::batch_norm_relu(input, weight, bias, running_mean, running_var, training,
                                     momentum, eps, relu);
   check_batch_norm_forward_args(input, weight, bias, running_mean, running_var, training);
-  switch (input.scalar_type()) {
-    case at::kFloat:
-      return forward_typed<float>(input, weight, bias, running_mean, running_var, training,
-                                  momentum, eps, relu);
-    case at::kHalf:
-      return forward_typed<c10::Half>(input, weight, bias, running_mean, running_var, training,
-                                      momentum, eps, relu);
-    case at::kBFloat16:
-      return forward_typed<c10::BFloat16>(input, weight, bias, running_mean, running_var, training,
-                                          momentum, eps, relu);
-    default:
-      TORCH_CHECK(false, kForwardOp, ": unsupported dtype ", input.scalar_type());
-  }
+  return with_element_type(input.scalar_type(), kForwardOp, [&](auto tag) {
+    return forward_typed<decltype(tag)>(input, weight, bias, running_mean, running_var, training,
+                                        momentum, eps, relu);
+  });
 }
 
 template <typename T>
@@ -690,19 +696,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     return generic::batch_norm_relu_backward(grad_out, input, output, weight, save_mean,
                                              save_invstd, training, relu, mask);
   check_batch_norm_backward_args(grad_out, input, output, weight, save_mean, save_invstd, relu);
-  switch (input.scalar_type()) {
-    case at::kFloat:
-      return backward_typed<float>(grad_out, input, output, weight, save_mean, save_invstd,
-                                   training, relu, mask);
-    case at::kHalf:
-      return backward_typed<c10::Half>(grad_out, input, output, weight, save_mean, save_invstd,
-                                       training, relu, mask);
-    case at::kBFloat16:
-      return backward_typed<c10::BFloat16>(grad_out, input, output, weight, save_mean,
-                                           save_invstd, training, relu, mask);
-    default:
-      TORCH_CHECK(false, kBackwardOp, ": unsupported dtype ", input.scalar_type());
-  }
+  return with_element_type(input.scalar_type(), kBackwardOp, [&](auto tag) {
+    return backward_typed<decltype(tag)>(grad_out, input, output, weight, save_mean, save_invstd,
+                                         training, relu, mask);
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_meta(

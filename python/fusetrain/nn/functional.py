@@ -199,12 +199,6 @@ def batch_norm_relu(
             f"batch_norm_relu: input must have a batch and a channel dimension [N, C, ...], "
             f"got shape {tuple(input.shape)}"
         )
-    if training:
-        per_channel = input.numel() // max(input.shape[1], 1)
-        if per_channel == 1:
-            raise ValueError(
-                f"Expected more than 1 value per channel when training, got input size {input.size()}"
-            )
     if not input.is_cpu or input.dtype not in _SUPPORTED_DTYPES:
         out = torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training,
                                              momentum, eps)
