@@ -175,8 +175,9 @@ const std::vector<KeySpec>& config_schema() {
       key("model.channels", K::kIntList, "16,32",
           "cnn: output channels of each block (3x3 conv, batch norm, ReLU, 2x2 max pool)", {}, 1,
           4096),
-      key("model.convs_per_block", K::kInt, "1",
-          "cnn: 3x3 conv + batch norm + ReLU layers in each block before its pooling", {}, 1, 16),
+      key("model.convs_per_block", K::kIntList, "1",
+          "cnn: 3x3 conv + batch norm + ReLU layers before each block's pooling: one count for "
+          "every block, or one per block (as many as model.channels)", {}, 1, 16),
       key("model.channels_last", K::kBool, "true",
           "cnn, resnet: convolution kernels and activations in channels_last layout (faster "
           "oneDNN convolutions; same values and checkpoints; off under parallel.shard)"),
@@ -231,7 +232,7 @@ const std::vector<KeySpec>& config_schema() {
           "-1: 2 on CUDA, 0 on a CPU (where a third thread beside the step's costs more than the "
           "gather it saves)",
           {}, -1, 1024),
-      key("data.eval_batch_size", K::kInt, "1000", "samples per evaluation forward, per rank", {},
+      key("data.eval_batch_size", K::kInt, "256", "samples per evaluation forward, per rank", {},
           1, 1 << 24),
       key("data.train_samples", K::kInt, "0",
           "training samples to use (0: all; synthetic: 10000)", {}, 0, 1e12),

@@ -105,13 +105,21 @@ class CnnImpl : public ModelImpl {
  public:
   CnnImpl(const Config& c, const Dataset& d) {
     int64_t in = d.input_shape[0], h = d.input_shape[1], w = d.input_shape[2];
-    const int64_t convs = c.get_int("model.convs_per_block");
-    for (int64_t ch : c.get_int_list("model.channels")) {
+    const std::vector<int64_t> channels = c.get_int_list("model.channels");
+    std::vector<int64_t> convs = c.get_int_list("model.convs_per_block");
+    if (convs.size() == 1) convs.resize(channels.size(), convs[0]);
+    if (convs.size() != channels.size()) {
+      throw c.error("model.convs_per_block", "gives " + std::to_string(convs.size()) + " counts for " +
+                                                 std::to_string(channels.size()) +
+                                                 " blocks (model.channels): give one count, or one per block");
+    }
+    for (size_t b = 0; b < channels.size(); ++b) {
+      const int64_t ch = channels[b];
       if (h < 2 || w < 2) {
         throw c.error("model.channels", "too many pooling blocks for " + std::to_string(d.input_shape[1]) +
                                             "x" + std::to_string(d.input_shape[2]) + " images");
       }
-      for (int64_t k = 0; k < convs; ++k) {
+      for (int64_t k = 0; k < convs[b]; ++k) {
         features_->push_back(nn::Conv2d(nn::Conv2dOptions(k == 0 ? in : ch, ch, 3).padding(1).bias(false)));
         features_->push_back(nn::BatchNorm2d(ch));
         features_->push_back(nn::ReLU());

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Union
 
 import torch
 from torch import nn
@@ -116,15 +116,22 @@ class Mlp(nn.Module):
 class Cnn(nn.Module):
     """The trainer's ``cnn``: per channel count a block of ``convs_per_block``
     x [3x3 conv (no bias), batch norm, ReLU] and 2x2 max pooling; then
-    flatten, [linear, ReLU] per hidden size, optional dropout, and the head."""
+    flatten, [linear, ReLU] per hidden size, optional dropout, and the head.
+    ``convs_per_block`` is one count for every block or a list, one a block."""
 
     def __init__(self, input_shape: List[int], channels: List[int], hidden: List[int], dropout: float,
-                 classes: int, convs_per_block: int = 1):
+                 classes: int, convs_per_block: Union[int, List[int]] = 1):
         super().__init__()
         c, h, w = input_shape
+        convs = [convs_per_block] * len(channels) if isinstance(convs_per_block, int) else list(convs_per_block)
+        if len(convs) == 1:
+            convs *= len(channels)
+        if len(convs) != len(channels):
+            raise ValueError(f"convs_per_block has {len(convs)} counts for {len(channels)} blocks: "
+                             "give one count, or one per block")
         features: List[nn.Module] = []
-        for ch in channels:
-            for k in range(convs_per_block):
+        for ch, n_convs in zip(channels, convs):
+            for k in range(n_convs):
                 features += [nn.Conv2d(c if k == 0 else ch, ch, 3, padding=1, bias=False), nn.BatchNorm2d(ch),
                              nn.ReLU()]
             features.append(nn.MaxPool2d(2))
@@ -277,7 +284,7 @@ def build_model(config, input_shape: Optional[List[int]] = None,
         return Mlp(shape, _as_list(model["hidden"]), float(model["dropout"]), classes)
     if model["name"] == "cnn":
         return Cnn(shape, _as_list(model["channels"]), _as_list(model["hidden"]),
-                   float(model["dropout"]), classes, int(model.get("convs_per_block", 1)))
+                   float(model["dropout"]), classes, _as_list(model.get("convs_per_block", 1)))
     if model["name"] == "resnet":
         return ResNet(shape, int(model["depth"]), int(model["width"]), classes)
     raise NotImplementedError(f"load_model does not know the model {model['name']!r}")

@@ -479,12 +479,14 @@ def test_a_failing_rank_stops_the_others(tmp_path):
                                                "apt-get install dataset-fashion-mnist"]),
         (("--set", "precision.master_weights=true"), ["precision.master_weights", "needs a mixed policy"]),
         (("--set", "model.name=gpt"), ["model.name", "gpt trains on tokens"]),
+        (("--set", "model.convs_per_block=[1,2,2]"), ["model.convs_per_block=1,2,2", "3 counts for 2 blocks"]),
         (("--resume", "/nonexistent.pt"), ["--resume /nonexistent.pt: no such checkpoint file"]),
         (("--bogus",), ["Option", "bogus"]),
     ],
     ids=["unknown-key", "unknown-section", "not-a-number", "bad-choice", "bad-int-choice", "bad-list",
          "out-of-range", "no-equals", "bad-flag", "indivisible-batch", "missing-dataset",
-         "master-weights-float32", "model-data-mismatch", "missing-checkpoint", "unknown-option"],
+         "master-weights-float32", "model-data-mismatch", "convs-per-block-count", "missing-checkpoint",
+         "unknown-option"],
 )
 def test_bad_input_is_a_usage_error(tmp_path, args, expected):
     p = train(tmp_path / "run", *args)

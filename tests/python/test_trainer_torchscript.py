@@ -419,7 +419,7 @@ TEXT = Path("/usr/share/common-licenses/GPL-3")
 FASHION = Path(os.environ.get("FUSETRAIN_FASHION_MNIST", "/usr/share/datasets/fashion-mnist"))
 
 
-@pytest.mark.parametrize("model", ["mlp", "cnn", "cnn2", "resnet", "gpt"])
+@pytest.mark.parametrize("model", ["mlp", "cnn", "cnn2", "cnn12", "resnet", "gpt"])
 def test_builtin_models_export_as_torchscript(tmp_path, model):
     # `export --torchscript` traces a built-in model in eval mode; the
     # reference is the same checkpoint rebuilt as a Python module by
@@ -441,15 +441,17 @@ def test_builtin_models_export_as_torchscript(tmp_path, model):
     else:
         if not (FASHION / "train-images-idx3-ubyte.gz").exists():
             pytest.skip("Fashion-MNIST is not installed")
-        args = ("--config", TINY, "--set", f"model.name={model.rstrip('2')}", "--set", "train.max_steps=8")
+        args = ("--config", TINY, "--set", f"model.name={model.rstrip('12')}", "--set", "train.max_steps=8")
         if model == "cnn2":  # two conv layers a block (model.convs_per_block)
             args += ("--set", "model.convs_per_block=2")
+        if model == "cnn12":  # one conv layer in the first block, two in the second
+            args += ("--set", "model.convs_per_block=[1,2]")
         inputs = [torch.randn(5, 1, 28, 28)]
     run_dir = tmp_path / "run"
     ok(run("train", *args, "--run-dir", run_dir))
     ckpt = sorted((run_dir / "checkpoints").glob("step_*.pt"))[-1]
     p = ok(run("export", "--checkpoint", ckpt, "--torchscript", tmp_path / "m.pt"))
-    assert f"{model.rstrip('2')} traced in eval mode" in p.stdout
+    assert f"{model.rstrip('12')} traced in eval mode" in p.stdout
     traced = torch.jit.load(str(tmp_path / "m.pt"))
     reference = load_model(str(ckpt)).eval()
     assert sorted(traced.state_dict()) == sorted(reference.state_dict())
