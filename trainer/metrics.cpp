@@ -46,9 +46,39 @@ void MetricsLog::write(const Record& record) {
   out_.flush();
 }
 
-std::string draw_curves(const std::string& run_dir, double timeout_s, std::string* why) {
+namespace {
+
+// The Python that draws the curves: $FUSETRAIN_PYTHON; else the project's
+// virtual environment beside a build tree (build/fusetrain ->
+// .venv/bin/python), whose torch and matplotlib `make` installed, with the
+// source tree's python/ put first on its PYTHONPATH (`pythonpath`) so that it
+// imports this checkout's fusetrain; else python3 from PATH (an installed
+// fusetrain).
+std::string plot_python(std::string* pythonpath) {
   const char* env = std::getenv("FUSETRAIN_PYTHON");
-  const std::string python = env != nullptr && *env != '\0' ? env : "python3";
+  if (env != nullptr && *env != '\0') return env;
+  std::error_code ec;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) return "python3";
+  for (std::filesystem::path dir = exe.parent_path(); !dir.empty() && dir != dir.root_path();
+       dir = dir.parent_path()) {
+    const std::filesystem::path venv = dir / ".venv" / "bin" / "python";
+    if (::access(venv.c_str(), X_OK) != 0) continue;
+    const std::filesystem::path source = dir / "python";
+    if (std::filesystem::exists(source / "fusetrain" / "plot.py", ec)) {
+      const char* old = std::getenv("PYTHONPATH");
+      *pythonpath = source.string() + (old != nullptr && *old != '\0' ? ":" + std::string(old) : "");
+    }
+    return venv.string();
+  }
+  return "python3";
+}
+
+}  // namespace
+
+std::string draw_curves(const std::string& run_dir, double timeout_s, std::string* why) {
+  std::string pythonpath;
+  const std::string python = plot_python(&pythonpath);
   const std::string image = run_dir + "/curves.png";
   const std::string log = run_dir + "/curves.log";
   std::vector<std::string> args = {python, "-m", "fusetrain.plot", run_dir, "-o", image};
@@ -61,7 +91,16 @@ std::string draw_curves(const std::string& run_dir, double timeout_s, std::strin
   posix_spawn_file_actions_addopen(&actions, STDOUT_FILENO, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   posix_spawn_file_actions_adddup2(&actions, STDOUT_FILENO, STDERR_FILENO);
   pid_t pid = 0;
-  const int rc = posix_spawnp(&pid, python.c_str(), &actions, nullptr, argv.data(), environ);
+  // This environment, with PYTHONPATH replaced where plot_python() set one.
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) {
+    if (pythonpath.empty() || std::strncmp(*e, "PYTHONPATH=", 11) != 0) env_strings.emplace_back(*e);
+  }
+  if (!pythonpath.empty()) env_strings.push_back("PYTHONPATH=" + pythonpath);
+  std::vector<char*> envp;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  const int rc = posix_spawnp(&pid, python.c_str(), &actions, nullptr, argv.data(), envp.data());
   posix_spawn_file_actions_destroy(&actions);
   if (rc != 0) {
     *why = python + " could not be started (" + std::strerror(rc) + "); set FUSETRAIN_PYTHON";
@@ -95,7 +134,8 @@ std::string draw_curves(const std::string& run_dir, double timeout_s, std::strin
   while (std::getline(in, line)) {
     if (!line.empty()) last = line;
   }
-  *why = python + " -m fusetrain.plot failed" + (last.empty() ? "" : ": " + last) + " (" + log + ")";
+  *why = python + " -m fusetrain.plot failed" + (last.empty() ? "" : ": " + last) + " (" + log +
+         "; FUSETRAIN_PYTHON names a Python with fusetrain and matplotlib)";
   return "";
 }
 

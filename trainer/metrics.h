@@ -28,7 +28,8 @@ class MetricsLog {
 };
 
 /// Draws RUN_DIR/curves.png from its metrics.jsonl by running `python -m
-/// fusetrain.plot RUN_DIR` (`python`: $FUSETRAIN_PYTHON, else python3), for at
+/// fusetrain.plot RUN_DIR` (`python`: $FUSETRAIN_PYTHON, else the .venv beside
+/// the build tree that holds this executable, else python3), for at
 /// most `timeout_s`. Returns the image's path, or "" with `why` saying what
 /// went wrong (no Python, no fusetrain or matplotlib there, a timeout).
 std::string draw_curves(const std::string& run_dir, double timeout_s, std::string* why);

@@ -170,6 +170,25 @@ def test_a_run_draws_its_curves_and_says_where(tmp_path):
     assert not (missing / "curves.png").exists()
 
 
+@needs_fashion
+@pytest.mark.skipif(not os.access(BIN.parent.parent / ".venv" / "bin" / "python", os.X_OK),
+                    reason="no .venv beside the build tree")
+def test_curves_are_drawn_without_fusetrain_python_from_anywhere(tmp_path):
+    # A user who runs build/fusetrain by hand, from another directory and
+    # with no FUSETRAIN_PYTHON: the trainer finds the project's .venv and
+    # this checkout's python/ itself.
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("FUSETRAIN_PYTHON", "PYTHONPATH", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                        "MASTER_PORT")}
+    d = tmp_path / "run"
+    p = ok(subprocess.run([str(BIN), "train", "--config", str(TINY), "--set", "train.epochs=1", "--run-dir", str(d)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300))
+    assert f"curves: {d}/curves.png" in p.stdout, p.stdout[-2000:]
+    assert (d / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 SCALAR_TYPE = {torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4, torch.float16: 5,
                torch.float32: 6, torch.float64: 7, torch.bool: 11, torch.bfloat16: 15}
 
