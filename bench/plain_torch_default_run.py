@@ -1,7 +1,8 @@
 """The default run (configs/fashion_mnist.yaml) written in plain PyTorch, the
 baseline of bench_trainer's end-to-end row (issue 14): the same CNN
-(24/48 channels, two 3x3 conv + batch norm + ReLU layers a block, a 128-unit
-layer), Fashion-MNIST normalised by
+(model.channels, model.convs_per_block and model.hidden read from that
+config: 3x3 conv + batch norm + ReLU layers, 2x2 max pooling a block, then
+the dense layers), Fashion-MNIST normalised by
 the training set's mean and std, 2 processes of torch DistributedDataParallel
 over gloo, a global batch of 128 (64 per process), torch.optim.AdamW
 (fused=True) at lr 2e-3 with weight decay 0.05 on weight matrices only, a
@@ -39,6 +40,16 @@ FASHION = Path(os.environ.get("FUSETRAIN_FASHION_MNIST", "/usr/share/datasets/fa
 BATCH, LR, WD, WARMUP, WORLD = 128, 2e-3, 0.05, 234, 2
 
 
+def default_cnn() -> dict:
+    """The default run's CNN: its model section of configs/fashion_mnist.yaml."""
+    import yaml
+
+    model = yaml.safe_load((HERE.parent / "configs" / "fashion_mnist.yaml").read_text())["model"]
+    as_list = lambda v: [int(x) for x in (v if isinstance(v, list) else [v])]  # noqa: E731
+    return {"channels": as_list(model["channels"]), "hidden": as_list(model["hidden"]),
+            "convs_per_block": as_list(model.get("convs_per_block", 1))}
+
+
 def idx(name: str) -> torch.Tensor:
     raw = gzip.open(FASHION / name).read()
     ndim = raw[3]
@@ -61,8 +72,9 @@ def worker(rank: int, init: str, precision: str, epochs: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     x, y, xt, yt = data()
     torch.manual_seed(0)
+    cnn = default_cnn()
     model = torch.nn.parallel.DistributedDataParallel(
-        Cnn([1, 28, 28], [24, 48], [128], 0.0, 10, convs_per_block=2))
+        Cnn([1, 28, 28], cnn["channels"], cnn["hidden"], 0.0, 10, convs_per_block=cnn["convs_per_block"]))
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}],
