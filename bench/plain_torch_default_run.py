@@ -40,14 +40,14 @@ FASHION = Path(os.environ.get("FUSETRAIN_FASHION_MNIST", "/usr/share/datasets/fa
 BATCH, LR, WD, WARMUP, WORLD = 128, 2e-3, 0.05, 234, 2
 
 
-def default_cnn() -> dict:
-    """The default run's CNN: its model section of configs/fashion_mnist.yaml."""
+def default_cnn() -> torch.nn.Module:
+    """The default run's CNN as a plain nn.Module, built from the model section
+    of configs/fashion_mnist.yaml by fusetrain.load_checkpoint (the trainer's
+    models rebuilt in Python)."""
     import yaml
+    from fusetrain.load_checkpoint import build_model
 
-    model = yaml.safe_load((HERE.parent / "configs" / "fashion_mnist.yaml").read_text())["model"]
-    as_list = lambda v: [int(x) for x in (v if isinstance(v, list) else [v])]  # noqa: E731
-    return {"channels": as_list(model["channels"]), "hidden": as_list(model["hidden"]),
-            "convs_per_block": as_list(model.get("convs_per_block", 1))}
+    return build_model(yaml.safe_load((HERE.parent / "configs" / "fashion_mnist.yaml").read_text()))
 
 
 def idx(name: str) -> torch.Tensor:
@@ -66,15 +66,12 @@ def data():
 
 
 def worker(rank: int, init: str, precision: str, epochs: int, out: str) -> None:
-    from fusetrain.load_checkpoint import Cnn  # the trainer's CNN, as a plain nn.Module
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // WORLD))
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     x, y, xt, yt = data()
     torch.manual_seed(0)
-    cnn = default_cnn()
-    model = torch.nn.parallel.DistributedDataParallel(
-        Cnn([1, 28, 28], cnn["channels"], cnn["hidden"], 0.0, 10, convs_per_block=cnn["convs_per_block"]))
+    model = torch.nn.parallel.DistributedDataParallel(default_cnn())
     decay = [p for p in model.parameters() if p.dim() >= 2]
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}],

@@ -56,6 +56,18 @@ at::Tensor ModelImpl::batch_norm(nn::BatchNorm2dImpl& bn, const at::Tensor& x, b
   return batch_norm_act(bn, x, relu, fused_batch_norm_);
 }
 
+std::vector<int64_t> cnn_convs_per_block(const Config& config) {
+  const size_t blocks = config.get_int_list("model.channels").size();
+  std::vector<int64_t> convs = config.get_int_list("model.convs_per_block");
+  if (convs.size() == 1) convs.resize(blocks, convs[0]);
+  if (convs.size() != blocks) {
+    throw config.error("model.convs_per_block", "gives " + std::to_string(convs.size()) + " counts for " +
+                                                    std::to_string(blocks) +
+                                                    " blocks (model.channels): give one count, or one per block");
+  }
+  return convs;
+}
+
 namespace {
 
 // A linear layer: amp::Float8Linear under precision.policy=mixed_float8 when
@@ -106,13 +118,7 @@ class CnnImpl : public ModelImpl {
   CnnImpl(const Config& c, const Dataset& d) {
     int64_t in = d.input_shape[0], h = d.input_shape[1], w = d.input_shape[2];
     const std::vector<int64_t> channels = c.get_int_list("model.channels");
-    std::vector<int64_t> convs = c.get_int_list("model.convs_per_block");
-    if (convs.size() == 1) convs.resize(channels.size(), convs[0]);
-    if (convs.size() != channels.size()) {
-      throw c.error("model.convs_per_block", "gives " + std::to_string(convs.size()) + " counts for " +
-                                                 std::to_string(channels.size()) +
-                                                 " blocks (model.channels): give one count, or one per block");
-    }
+    const std::vector<int64_t> convs = cnn_convs_per_block(c);
     for (size_t b = 0; b < channels.size(); ++b) {
       const int64_t ch = channels[b];
       if (h < 2 || w < 2) {

@@ -67,6 +67,10 @@ using Model = std::shared_ptr<ModelImpl>;
 /// Parameters are initialised from the current default generator.
 Model make_model(const Config& config, const Dataset& data);
 
+/// model.convs_per_block as one count per block of model.channels (a single
+/// count stands for every block); a usage error when the counts do not match.
+std::vector<int64_t> cnn_convs_per_block(const Config& config);
+
 /// For precision.master_weights: casts the weights of convolutions, linear
 /// layers and embeddings to `dtype`; normalisation layers and the head stay
 /// float32 (the optimizer keeps float32 master copies of the rest).

@@ -931,15 +931,7 @@ void check_before_start(const Config& config, int world_size, int local_world_si
                                          ? "gpt trains on tokens: set data.name=tokens, text or synthetic"
                                          : model + " trains on images or feature vectors: set data.name=fashion_mnist, tensors or synthetic");
   }
-  if (model == "cnn") {
-    const size_t blocks = config.get_int_list("model.channels").size();
-    const size_t counts = config.get_int_list("model.convs_per_block").size();
-    if (counts != 1 && counts != blocks) {
-      throw config.error("model.convs_per_block", "gives " + std::to_string(counts) + " counts for " +
-                                                      std::to_string(blocks) +
-                                                      " blocks (model.channels): give one count, or one per block");
-    }
-  }
+  if (model == "cnn") cnn_convs_per_block(config);  // throws on a count per block that does not fit
   check_data_available(config);
 }
 

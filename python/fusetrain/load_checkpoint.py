@@ -123,7 +123,7 @@ class Cnn(nn.Module):
                  classes: int, convs_per_block: Union[int, List[int]] = 1):
         super().__init__()
         c, h, w = input_shape
-        convs = [convs_per_block] * len(channels) if isinstance(convs_per_block, int) else list(convs_per_block)
+        convs = [convs_per_block] if isinstance(convs_per_block, int) else list(convs_per_block)
         if len(convs) == 1:
             convs *= len(channels)
         if len(convs) != len(channels):
