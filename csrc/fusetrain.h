@@ -8,6 +8,7 @@
 #include <fusetrain/dist/comm_hooks.h>
 #include <fusetrain/dist/ddp.h>
 #include <fusetrain/dist/process_group.h>
+#include <fusetrain/dist/shared_memory.h>
 #include <fusetrain/dist/zero.h>
 #include <fusetrain/graph/fused_steps.h>
 #include <fusetrain/nn/batch_norm.h>

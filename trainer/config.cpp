@@ -328,6 +328,9 @@ const std::vector<KeySpec>& config_schema() {
           "ZeRO across the data-parallel ranks: shard the optimizer state (optimizer, stage 1) "
           "or the optimizer state and the gradients (gradients, stage 2); none: replicate",
           {"none", "optimizer", "gradients"}),
+      key("parallel.shared_memory", K::kBool, "true",
+          "ranks that all run on one host allreduce dense CPU tensors through shared memory "
+          "instead of gloo's TCP (the same sums; false: gloo for everything)"),
       key("parallel.powersgd_rank", K::kInt, "1", "PowerSGD's matrix approximation rank", {}, 1,
           1e6),
       key("parallel.powersgd_start_iter", K::kInt, "1000",

@@ -208,7 +208,7 @@ Distributed::Distributed() = default;
 Distributed::~Distributed() = default;
 
 Distributed::Distributed(const dist::Environment& env, c10::DeviceType device_type,
-                         std::chrono::milliseconds timeout)
+                         std::chrono::milliseconds timeout, bool shared_memory)
     : rank_(env.rank),
       world_size_(env.world_size),
       local_rank_(env.local_rank),
@@ -219,7 +219,9 @@ Distributed::Distributed(const dist::Environment& env, c10::DeviceType device_ty
     dist::ProcessGroupOptions options;
     options.device_type = device_type;
     options.timeout = timeout;
+    options.shared_memory = shared_memory;
     group_ = dist::init_process_group(env, options);
+    shared_memory_ = dist::uses_shared_memory(group_);
     if (device_type == c10::DeviceType::CPU) {
       // What gloo bound, to name the ranks behind a broken connection.
       const dist::GlooTransport t = dist::gloo_transport_for(env.master_addr, env.master_port);

@@ -8,6 +8,7 @@
 #include <fusetrain/dist/comm_hooks.h>
 #include <fusetrain/dist/ddp.h>
 #include <fusetrain/dist/process_group.h>
+#include <fusetrain/dist/shared_memory.h>
 
 #include <ATen/ATen.h>
 
@@ -54,9 +55,10 @@ class Distributed {
   /// A world of one: every collective is a no-op.
   Distributed();
   /// Joins the group of `env` (gloo on CPU, NCCL on CUDA) with `timeout` on
-  /// the rendezvous and on every collective.
+  /// the rendezvous and on every collective; `shared_memory`: CPU ranks on
+  /// one host allreduce through shared memory (Note [Shared-memory allreduce]).
   Distributed(const dist::Environment& env, c10::DeviceType device_type,
-              std::chrono::milliseconds timeout);
+              std::chrono::milliseconds timeout, bool shared_memory = true);
   // Out of line: c10d::ProcessGroup is complete only in launch.cpp.
   ~Distributed();
   Distributed(const Distributed&) = delete;
@@ -66,6 +68,8 @@ class Distributed {
   int world_size() const { return world_size_; }
   int local_rank() const { return local_rank_; }
   bool is_distributed() const { return world_size_ > 1; }
+  /// The group's CPU allreduces go through shared memory.
+  bool shared_memory() const { return shared_memory_; }
   const c10::intrusive_ptr<c10d::ProcessGroup>& group() const { return group_; }
 
   /// In place, across ranks.
@@ -93,6 +97,7 @@ class Distributed {
   std::chrono::milliseconds timeout_{0};
   /// Where the group's collectives take their tensors (NCCL: this rank's GPU).
   at::Device device_{at::kCPU};
+  bool shared_memory_ = false;
   std::string own_address_;
   std::vector<std::string> peer_addresses_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;

@@ -253,7 +253,8 @@ int run_train(int argc, char** argv) {
       // checkpoint rather than train again from the start.
       resume_as = "auto";
     }
-    ft::Distributed world(*env, device_type, std::chrono::seconds(timeout_s));
+    ft::Distributed world(*env, device_type, std::chrono::seconds(timeout_s),
+                          config.get_bool("parallel.shared_memory"));
     try {
       world.learn_peer_addresses();
       ft::check_same_config(config, world);

@@ -744,7 +744,11 @@ int Trainer::run() {
   say(fmt::format("  {} rank{} on {} ({}), {} intra-op thread{} each; {}, {}, batch {} ({} per rank{}), "
                   "{} epoch{} = {} steps",
                   world, world == 1 ? "" : "s", device_.str(),
-                  world_.is_distributed() ? (device_.is_cuda() ? "nccl" : "gloo") : "no group", threads,
+                  !world_.is_distributed() ? "no group"
+                  : device_.is_cuda()      ? "nccl"
+                  : world_.shared_memory() ? "gloo, allreduce through shared memory"
+                                           : "gloo",
+                  threads,
                   threads == 1 ? "" : "s", policy_.name(), config_.get_string("optimizer.name"), batch,
                   batch / world, accum > 1 ? fmt::format(", {} micro-batches", accum) : "", epochs,
                   epochs == 1 ? "" : "s", total_steps_));

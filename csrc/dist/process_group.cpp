@@ -1,6 +1,7 @@
 // Process groups from the torchrun environment: a c10d::TCPStore rendezvous,
 // then torch's own gloo (CPU) or NCCL (CUDA) backend on it.
 #include <fusetrain/dist/process_group.h>
+#include <fusetrain/dist/shared_memory.h>
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -271,7 +272,14 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const Environment& env
                   transport->describe(), "; set GLOO_SOCKET_IFNAME to the interface that reaches "
                   "the other hosts: ", e.what());
     }
-    group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
+    c10::intrusive_ptr<c10d::Backend> cpu = gloo;
+    if (options.shared_memory) {
+      if (auto shm = make_shared_memory_backend(store, env.rank, env.world_size, options.timeout, gloo)) {
+        cpu = std::move(shm);
+      }
+    }
+    // Labelled gloo either way: every collective but the dense allreduces is gloo's.
+    group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, cpu);
     group->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
   } else {
 #ifdef FUSETRAIN_WITH_CUDA

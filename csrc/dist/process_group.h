@@ -47,6 +47,9 @@ struct ProcessGroupOptions {
   c10::DeviceType device_type = c10::DeviceType::CPU;
   /// Bound on the store rendezvous and on every collective.
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  /// gloo: when every rank is on this host, allreduce dense CPU tensors
+  /// through shared memory instead of TCP (Note [Shared-memory allreduce]).
+  bool shared_memory = true;
 };
 
 /// Creates the group for `env`: rank 0 hosts a c10d::TCPStore at

@@ -512,6 +512,104 @@ void worker_dead(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int rank, 
   FAIL("rank " << rank << " trained past the dead rank");
 }
 
+// Note [Shared-memory allreduce]: the group of ranks on one host reduces
+// dense CPU tensors through shared memory. Every dtype and op it takes, at
+// sizes around the chunk (one 2 MiB slot a rank) and the cache-line split of
+// a chunk among the ranks, against torch's own ops applied in rank order
+// (16-bit types in float32, rounded once), bit for bit; and what it hands to
+// gloo (AVG) is gloo's as before.
+void worker_shared_memory(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int rank,
+                          int world) {
+  REQUIRE(dist::uses_shared_memory(group));
+  using Op = c10d::ReduceOp;
+  const auto apply = [](Op::RedOpType op, const at::Tensor& a, const at::Tensor& b) {
+    switch (op) {
+      case Op::SUM: return a + b;
+      case Op::PRODUCT: return a * b;
+      case Op::MIN: return at::minimum(a, b);
+      case Op::AVG: return a + b;  // divided at the end
+      default: return at::maximum(a, b);
+    }
+  };
+  // Rank r's input: the same on every rank for a given (r, n, dtype, op).
+  const auto input = [](int r, int64_t n, at::ScalarType dtype, Op::RedOpType op) {
+    at::Generator gen = at::detail::createCPUGenerator(1000 * r + n % 997 + 7 * op);
+    if (at::isIntegralType(dtype, false)) {
+      const int64_t hi = op == Op::PRODUCT ? 4 : 100000;
+      return at::randint(-hi, hi, {n}, gen, at::TensorOptions().dtype(dtype));
+    }
+    at::Tensor x = at::randn({n}, gen, at::TensorOptions().dtype(at::kDouble));
+    if (op == Op::PRODUCT) x = x.abs().add_(0.5);  // products stay in range
+    if (n > 5) x[n / 3] = r == 1 ? std::nan("") : 1.0;  // a NaN on one rank
+    return x.to(dtype);
+  };
+  const int64_t chunk_floats = (2 << 20) / 4;
+  const std::vector<int64_t> sizes{1, 5, 17, 4099, chunk_floats - 3, chunk_floats + 17,
+                                   2 * chunk_floats + 1000};
+  for (at::ScalarType dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf, at::kInt, at::kLong}) {
+    const bool narrow = dtype == at::kBFloat16 || dtype == at::kHalf;
+    for (Op::RedOpType op : {Op::SUM, Op::PRODUCT, Op::MIN, Op::MAX, Op::AVG}) {
+      if (op == Op::AVG && at::isIntegralType(dtype, false)) continue;  // gloo's error, below
+      for (int64_t n : sizes) {
+        INFO("dtype " << dtype << ", op " << static_cast<int>(op) << ", " << n << " elements");
+        at::Tensor expected = input(0, n, dtype, op);
+        if (narrow) expected = expected.to(at::kFloat);
+        for (int r = 1; r < world; ++r) {
+          const at::Tensor x = input(r, n, dtype, op);
+          expected = apply(op, expected, narrow ? x.to(at::kFloat) : x);
+        }
+        expected = expected.to(dtype);
+        if (op == Op::AVG) expected.div_(world);  // gloo's AVG: the sum, divided in place
+        std::vector<at::Tensor> t{input(rank, n, dtype, op)};
+        c10d::AllreduceOptions opts;
+        opts.reduceOp = op;
+        group->allreduce(t, opts)->wait();
+        REQUIRE(t[0].dtype() == expected.dtype());
+        // Equal, NaN where expected has NaN (equal_nan compares the bits of
+        // everything else exactly at zero tolerance).
+        REQUIRE(at::allclose(t[0], expected, 0.0, 0.0, /*equal_nan=*/true));
+      }
+    }
+  }
+  // Empty; a strided view reduces its own elements only (gloo's TCP path
+  // reduces the first numel() elements of memory instead); AVG of integers
+  // is gloo's error still.
+  std::vector<at::Tensor> empty{at::empty({0})};
+  group->allreduce(empty)->wait();
+  at::Tensor base = at::full({10}, static_cast<float>(rank + 1));
+  std::vector<at::Tensor> strided{base.slice(0, 0, 10, 2)};
+  group->allreduce(strided)->wait();
+  REQUIRE(at::equal(base.slice(0, 0, 10, 2), at::full({5}, world * (world + 1) / 2.0F)));
+  REQUIRE(at::equal(base.slice(0, 1, 10, 2), at::full({5}, static_cast<float>(rank + 1))));
+  c10d::AllreduceOptions avg;
+  avg.reduceOp = Op::AVG;
+  std::vector<at::Tensor> ints{at::ones({4}, at::kLong)};
+  REQUIRE_THROWS(group->allreduce(ints, avg)->wait());
+}
+
+// A rank that exits before an allreduce: the others fail at once, naming it,
+// and every later allreduce fails alike.
+void worker_shared_memory_dead(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int rank,
+                               int world) {
+  REQUIRE(dist::uses_shared_memory(group));
+  std::vector<at::Tensor> t{at::ones({1000})};
+  group->allreduce(t)->wait();
+  if (rank == world - 1) {
+    std::fflush(nullptr);
+    std::_Exit(7);
+  }
+  const auto t0 = Clock::now();
+  REQUIRE_THROWS_WITH(group->allreduce(t)->wait(),
+                      Contains("lost rank " + std::to_string(world - 1)) && Contains("exited"));
+  REQUIRE(std::chrono::duration<double>(Clock::now() - t0).count() < kGroupTimeoutMs / 1000.0 / 2);
+  REQUIRE_THROWS_WITH(group->allreduce(t)->wait(), Contains("exited"));
+  // Stay a while: a survivor that left early would be the rank another one
+  // names as lost.
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  std::fflush(nullptr);
+  std::_Exit(0);  // skip the group's teardown: a peer is gone
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------- worker
@@ -525,8 +623,15 @@ TEST_CASE("ddp_worker", "[.ddp_worker]") {
   dist::ProcessGroupOptions options;
   options.backend = "gloo";
   options.timeout = std::chrono::milliseconds(kGroupTimeoutMs);
+  // "<scenario>/gloo": every collective over gloo's TCP, none through shared memory.
+  std::string name = scenario;
+  const std::string gloo_only = "/gloo";
+  if (name.size() > gloo_only.size() && name.compare(name.size() - gloo_only.size(), gloo_only.size(), gloo_only) == 0) {
+    name.resize(name.size() - gloo_only.size());
+    options.shared_memory = false;
+  }
   auto group = dist::init_process_group(*env, options);
-  const std::string name = scenario;
+  REQUIRE(dist::uses_shared_memory(group) == options.shared_memory);
   if (name == "equivalence") {
     worker_equivalence(group, env->rank, env->world_size);
   } else if (name == "no_sync") {
@@ -539,6 +644,10 @@ TEST_CASE("ddp_worker", "[.ddp_worker]") {
     worker_zero(group, env->rank, env->world_size);
   } else if (name == "join") {
     worker_join(group, env->rank, env->world_size);
+  } else if (name == "shared_memory") {
+    worker_shared_memory(group, env->rank, env->world_size);
+  } else if (name == "shared_memory_dead") {
+    worker_shared_memory_dead(group, env->rank, env->world_size);
   } else {
     FAIL("unknown scenario " << name);
   }
@@ -553,8 +662,10 @@ TEST_CASE("ddp_worker", "[.ddp_worker]") {
 TEST_CASE("DDP over gloo equals one process on the full batch, from diverged parameters",
           "[dist][ddp]") {
   for (int world : {2, 3}) {
-    INFO("world size " << world);
-    require_exit_codes(spawn_world(world, "equivalence"));
+    for (const std::string transport : {"", "/gloo"}) {
+      INFO("world size " << world << (transport.empty() ? ", shared memory" : ", gloo only"));
+      require_exit_codes(spawn_world(world, "equivalence" + transport));
+    }
   }
 }
 
@@ -614,6 +725,22 @@ TEST_CASE("ShardLayout: equal padded pieces per bucket, parameters split at thei
   REQUIRE(r0[1].param == 0);
   REQUIRE(r0[1].length == 6);
   REQUIRE_THROWS_WITH(dist::ShardLayout({3, 4}, {{0}}, 2), Contains("in no bucket"));
+}
+
+TEST_CASE("Ranks on one host allreduce through shared memory: every dtype and op, bit for bit",
+          "[dist][shm]") {
+  for (int world : {2, 3}) {
+    INFO("world size " << world);
+    require_exit_codes(spawn_world(world, "shared_memory"));
+  }
+}
+
+TEST_CASE("Shared-memory allreduce: a rank that exits fails the others at once, naming it",
+          "[dist][shm]") {
+  for (int world : {2, 3}) {
+    INFO("world size " << world);
+    require_exit_codes(spawn_world(world, "shared_memory_dead"), {{world - 1, 7}});
+  }
 }
 
 TEST_CASE("DDP with mismatched parameter shapes raises on every rank", "[dist][ddp]") {

@@ -116,13 +116,20 @@ def test_two_processes_equal_one_process(tmp_path):
     args = ("--set", "model.name=mlp", "--set", "model.hidden=32", "--epochs", "1")
     one = ok(train(tmp_path / "one", *args))
     two = ok(train(tmp_path / "two", "--nproc", "2", *args))
-    assert "2 ranks on cpu (gloo)" in two.stdout
+    assert "2 ranks on cpu (gloo, allreduce through shared memory)" in two.stdout
     # Only rank 0 prints.
     assert two.stdout.count("epoch 1/1") == 1 and one.stdout.count("epoch 1/1") == 1
     a, b = load(checkpoints(tmp_path / "one")[-1]), load(checkpoints(tmp_path / "two")[-1])
     for k in a:
         if k.startswith("model."):
             torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+    # gloo's TCP allreduce instead: two ranks sum alike (a + b), so the same bits.
+    tcp = ok(train(tmp_path / "tcp", "--nproc", "2", "--set", "parallel.shared_memory=false", *args))
+    assert "2 ranks on cpu (gloo)" in tcp.stdout
+    c = load(checkpoints(tmp_path / "tcp")[-1])
+    for k in b:
+        if k.startswith(("model.", "optim.")):
+            assert torch.equal(c[k], b[k]), k
     assert abs(records(tmp_path / "one", "eval")[-1]["accuracy"] - records(tmp_path / "two", "eval")[-1]["accuracy"]) < 0.01
 
 
@@ -222,7 +229,7 @@ def test_joins_a_group_from_the_torchrun_environment(tmp_path):
     args = ("--set", "model.name=mlp", "--set", "model.hidden=32", "--epochs", "1")
     codes, outs, runs = _run_ranks_by_hand(tmp_path, args)
     assert codes == [0, 0], outs
-    assert "2 ranks on cpu (gloo)" in outs[0][0] and outs[1][0] == ""
+    assert "2 ranks on cpu (gloo, allreduce through shared memory)" in outs[0][0] and outs[1][0] == ""
     assert checkpoints(runs / "run0") and not (runs / "run1").exists()
     ok(train(tmp_path / "single", *args))
     a, b = load(checkpoints(tmp_path / "single")[-1]), load(checkpoints(runs / "run0")[-1])

@@ -1,0 +1,648 @@
+// The shared-memory allreduce (Note [Shared-memory allreduce] in
+// shared_memory.h): segment setup through the group's store, the chunked
+// reduce-in-slots protocol, and a c10d backend that forwards the rest to gloo.
+#include <fusetrain/dist/shared_memory.h>
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define FUSETRAIN_CPU_RELAX() _mm_pause()
+#else
+#define FUSETRAIN_CPU_RELAX() std::atomic_signal_fence(std::memory_order_seq_cst)
+#endif
+
+namespace fusetrain::dist {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int kMaxWorld = 256;
+constexpr uint64_t kMagic = 0x66746d656d73686dULL;  // "ftmemshm"
+constexpr size_t kPage = 4096;
+// Two slot sets of W slots in all at most this much, each slot within
+// [kMinSlot, kMaxSlot]: 8 MiB for two ranks, an L2-sized chunk a rank.
+constexpr size_t kSegmentBudget = 8u << 20;
+constexpr size_t kMinSlot = 64u << 10;
+constexpr size_t kMaxSlot = 2u << 20;
+// A sub-range of a chunk starts on a 64-byte line: ranks never write into
+// one cache line.
+constexpr size_t kLine = 64;
+// Spin this long before sleeping on the futex; check on peers this often.
+constexpr auto kSpin = std::chrono::microseconds(20);
+constexpr auto kPeerCheck = std::chrono::milliseconds(100);
+
+struct alignas(kLine) Header {
+  uint64_t magic;
+  uint32_t world;
+  uint32_t reserved;
+  uint64_t slot_bytes;
+  alignas(kLine) std::atomic<uint32_t> arrived;  // barrier arrivals, all barriers so far
+  alignas(kLine) std::atomic<uint32_t> sleepers;  // ranks asleep on `arrived`
+  alignas(kLine) int32_t pids[kMaxWorld];
+};
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be plain 32-bit words");
+
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+size_t header_bytes() { return round_up(sizeof(Header), kPage); }
+
+size_t default_slot_bytes(int world) {
+  const size_t fit = kSegmentBudget / (2 * static_cast<size_t>(world)) / kPage * kPage;
+  return std::clamp(fit, kMinSlot, kMaxSlot);
+}
+
+long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
+  // Not FUTEX_PRIVATE_FLAG: the word is in memory other processes map.
+  return ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
+}
+
+std::string read_line(const char* path) {
+  std::ifstream in(path);
+  std::string line;
+  std::getline(in, line);
+  return line;
+}
+
+std::string namespace_of(const char* kind) {
+  char target[256] = {};
+  const std::string link = std::string("/proc/self/ns/") + kind;
+  const ssize_t n = ::readlink(link.c_str(), target, sizeof(target) - 1);
+  return n > 0 ? std::string(target, static_cast<size_t>(n)) : std::string();
+}
+
+// Whether process `pid` has ended: gone, or a zombie its parent has not
+// reaped yet (signal 0 still reaches a zombie).
+bool process_ended(int pid) {
+  if (pid <= 0) return false;
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  if (!in) return true;
+  std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t close = stat.rfind(')');  // the command name may hold spaces and ')'
+  if (close == std::string::npos || close + 2 >= stat.size()) return false;
+  const char state = stat[close + 2];
+  return state == 'Z' || state == 'X';
+}
+
+// ----------------------------------------------------------- the reductions
+
+template <typename T>
+struct Acc {
+  using type = T;
+};
+template <>
+struct Acc<c10::BFloat16> {
+  using type = float;
+};
+template <>
+struct Acc<c10::Half> {
+  using type = float;
+};
+
+template <typename A>
+A combine(c10d::ReduceOp::RedOpType op, A a, A b) {
+  if constexpr (std::is_floating_point_v<A>) {
+    switch (op) {
+      case c10d::ReduceOp::SUM: return a + b;
+      case c10d::ReduceOp::PRODUCT: return a * b;
+      // A NaN anywhere makes the result NaN, whichever rank holds it.
+      case c10d::ReduceOp::MIN: return (a < b || std::isnan(a)) ? a : b;
+      default: return (a > b || std::isnan(a)) ? a : b;
+    }
+  } else {
+    using U = std::make_unsigned_t<A>;  // sums and products wrap, as in gloo, without UB
+    switch (op) {
+      case c10d::ReduceOp::SUM: return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
+      case c10d::ReduceOp::PRODUCT: return static_cast<A>(static_cast<U>(a) * static_cast<U>(b));
+      case c10d::ReduceOp::MIN: return std::min(a, b);
+      default: return std::max(a, b);
+    }
+  }
+}
+
+// out[i] = slots[0][i] op slots[1][i] op ... in rank order, for i in [0, n),
+// accumulated in Acc<T> (float32 for 16-bit types: rounded once). `out` is
+// one of the slots, so each block is reduced in a local buffer first.
+template <typename T, c10d::ReduceOp::RedOpType kOp>
+void reduce_into(T* out, const std::vector<const T*>& slots, size_t n) {
+  using A = typename Acc<T>::type;
+  constexpr size_t kBlock = 512;
+  A acc[kBlock];
+  for (size_t start = 0; start < n; start += kBlock) {
+    const size_t m = std::min(kBlock, n - start);
+    const T* a = slots[0] + start;
+    for (size_t i = 0; i < m; ++i) acc[i] = static_cast<A>(a[i]);
+    for (size_t r = 1; r < slots.size(); ++r) {
+      const T* b = slots[r] + start;
+      for (size_t i = 0; i < m; ++i) acc[i] = combine<A>(kOp, acc[i], static_cast<A>(b[i]));
+    }
+    for (size_t i = 0; i < m; ++i) out[start + i] = static_cast<T>(acc[i]);
+  }
+}
+
+template <typename T>
+void reduce_typed(c10d::ReduceOp::RedOpType op, void* out, const std::vector<const void*>& raw,
+                  size_t n) {
+  std::vector<const T*> slots;
+  slots.reserve(raw.size());
+  for (const void* p : raw) slots.push_back(static_cast<const T*>(p));
+  T* o = static_cast<T*>(out);
+  switch (op) {
+    case c10d::ReduceOp::SUM: return reduce_into<T, c10d::ReduceOp::SUM>(o, slots, n);
+    case c10d::ReduceOp::PRODUCT: return reduce_into<T, c10d::ReduceOp::PRODUCT>(o, slots, n);
+    case c10d::ReduceOp::MIN: return reduce_into<T, c10d::ReduceOp::MIN>(o, slots, n);
+    default: return reduce_into<T, c10d::ReduceOp::MAX>(o, slots, n);
+  }
+}
+
+// No two elements of `t` share memory: with the dimensions sorted by
+// stride, each stride reaches past the extent of the smaller ones.
+bool distinct_elements(const at::Tensor& t) {
+  if (t.is_non_overlapping_and_dense()) return true;
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size), sizes > 1 only
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t extent = 1;  // elements spanned by the smaller-stride dimensions
+  for (const auto& [stride, size] : dims) {
+    if (stride < extent) return false;
+    extent = stride * (size - 1) + extent;
+  }
+  return true;
+}
+
+bool supported(const std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+  if (tensors.size() != 1 || opts.sparseIndices.has_value()) return false;
+  const at::Tensor& t = tensors.front();
+  // Strided views go through a dense copy; a tensor whose elements share
+  // memory (expanded) cannot take the result.
+  if (!t.defined() || t.device().type() != c10::DeviceType::CPU || t.layout() != at::kStrided ||
+      !distinct_elements(t)) {
+    return false;
+  }
+  switch (opts.reduceOp.op_) {
+    case c10d::ReduceOp::SUM:
+    case c10d::ReduceOp::PRODUCT:
+    case c10d::ReduceOp::MIN:
+    case c10d::ReduceOp::MAX:
+      break;
+    case c10d::ReduceOp::AVG:  // the sum, divided in place (as gloo); gloo refuses integers
+      if (!at::isFloatingType(t.scalar_type())) return false;
+      break;
+    default:
+      return false;
+  }
+  switch (t.scalar_type()) {
+    case at::kFloat:
+    case at::kDouble:
+    case at::kBFloat16:
+    case at::kHalf:
+    case at::kInt:
+    case at::kLong:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// ------------------------------------------------------------- the segment
+
+class Segment {
+ public:
+  Segment(void* base, size_t bytes, int rank, int world, std::chrono::milliseconds timeout)
+      : base_(static_cast<char*>(base)), bytes_(bytes), rank_(rank), world_(world), timeout_(timeout) {}
+  ~Segment() { ::munmap(base_, bytes_); }
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+
+  Header* header() const { return reinterpret_cast<Header*>(base_); }
+  size_t slot_bytes() const { return header()->slot_bytes; }
+  char* slot(int set, int rank) const {
+    return base_ + header_bytes() + (static_cast<size_t>(set) * world_ + rank) * slot_bytes();
+  }
+
+  // An in-place allreduce of `t` (dense, supported dtype and op).
+  void allreduce(const at::Tensor& t, c10d::ReduceOp::RedOpType op) {
+    const size_t elem = t.element_size();
+    const size_t total = static_cast<size_t>(t.numel());
+    const size_t per_chunk = slot_bytes() / elem;
+    // A sub-range is a whole number of cache lines.
+    const size_t line_elems = kLine / elem;
+    char* data = static_cast<char*>(t.data_ptr());
+    std::vector<const void*> sources(world_);
+    for (size_t done = 0; done < total; done += per_chunk) {
+      const size_t n = std::min(per_chunk, total - done);
+      const size_t share = round_up((n + world_ - 1) / world_, line_elems);
+      const int set = static_cast<int>(chunks_ & 1);
+      ++chunks_;
+      char* src = data + done * elem;
+      std::memcpy(slot(set, rank_), src, n * elem);
+      barrier();
+      const size_t lo = std::min(n, share * rank_), hi = std::min(n, lo + share);
+      if (hi > lo) {
+        for (int r = 0; r < world_; ++r) sources[r] = slot(set, r) + lo * elem;
+        char* out = slot(set, rank_) + lo * elem;
+        switch (t.scalar_type()) {
+          case at::kFloat: reduce_typed<float>(op, out, sources, hi - lo); break;
+          case at::kDouble: reduce_typed<double>(op, out, sources, hi - lo); break;
+          case at::kBFloat16: reduce_typed<c10::BFloat16>(op, out, sources, hi - lo); break;
+          case at::kHalf: reduce_typed<c10::Half>(op, out, sources, hi - lo); break;
+          case at::kInt: reduce_typed<int32_t>(op, out, sources, hi - lo); break;
+          default: reduce_typed<int64_t>(op, out, sources, hi - lo); break;
+        }
+      }
+      barrier();
+      for (int r = 0; r < world_; ++r) {
+        const size_t a = std::min(n, share * r), b = std::min(n, a + share);
+        if (b > a) std::memcpy(src + a * elem, slot(set, r) + a * elem, (b - a) * elem);
+      }
+    }
+  }
+
+ private:
+  // Waits until every rank has arrived at this barrier (the ranks pass
+  // them in the same order, counting on one shared word).
+  void barrier() {
+    Header* h = header();
+    ++barriers_;
+    const uint32_t target = static_cast<uint32_t>(barriers_ * static_cast<uint64_t>(world_));
+    const auto reached = [&](uint32_t seen) { return static_cast<int32_t>(seen - target) >= 0; };
+    if (reached(h->arrived.fetch_add(1, std::memory_order_seq_cst) + 1)) {
+      if (h->sleepers.load(std::memory_order_seq_cst) > 0) {
+        futex(&h->arrived, FUTEX_WAKE, INT_MAX, nullptr);
+      }
+      return;
+    }
+    const auto start = Clock::now();
+    uint32_t seen = 0;
+    for (int i = 0;; ++i) {
+      seen = h->arrived.load(std::memory_order_acquire);
+      if (reached(seen)) return;
+      FUSETRAIN_CPU_RELAX();
+      if ((i & 63) == 63 && Clock::now() - start > kSpin) break;
+    }
+    auto last_check = Clock::now();
+    for (;;) {
+      h->sleepers.fetch_add(1, std::memory_order_seq_cst);
+      seen = h->arrived.load(std::memory_order_seq_cst);
+      if (!reached(seen)) {
+        const timespec nap{0, 10'000'000};  // 10 ms, to look at the clock and the peers
+        futex(&h->arrived, FUTEX_WAIT, seen, &nap);
+      }
+      h->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      if (reached(h->arrived.load(std::memory_order_acquire))) return;
+      const auto now = Clock::now();
+      if (now - last_check >= kPeerCheck) {
+        last_check = now;
+        for (int r = 0; r < world_; ++r) {
+          TORCH_CHECK(r == rank_ || !process_ended(h->pids[r]), "rank ", rank_,
+                      ": the shared-memory allreduce lost rank ", r, " (pid ", h->pids[r],
+                      "), which has exited");
+        }
+      }
+      TORCH_CHECK(now - start < timeout_, "rank ", rank_, ": the shared-memory allreduce waited ",
+                  timeout_.count(), " ms for ", target - h->arrived.load(), " of ", world_,
+                  " ranks to arrive (the group's timeout; a rank is stuck or out of step)");
+    }
+  }
+
+  char* base_;
+  size_t bytes_;
+  int rank_, world_;
+  std::chrono::milliseconds timeout_;
+  uint64_t barriers_ = 0, chunks_ = 0;
+};
+
+// ---------------------------------------------------------------- the work
+
+// A collective that ran on the calling thread: complete, or failed with
+// `error`, which wait() throws.
+class DoneWork : public c10d::Work {
+ public:
+  DoneWork(std::vector<at::Tensor> tensors, std::exception_ptr error)
+      : c10d::Work(-1, c10d::OpType::ALLREDUCE), tensors_(std::move(tensors)), error_(error) {
+    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    if (error_) {
+      future_->setError(error_);
+    } else {
+      future_->markCompleted(c10::IValue(tensors_));
+    }
+  }
+  bool isCompleted() override { return true; }
+  bool isSuccess() const override { return !error_; }
+  std::exception_ptr exception() const override { return error_; }
+  std::vector<at::Tensor> result() override { return tensors_; }
+  void synchronize() override {}
+  bool wait(std::chrono::milliseconds) override {
+    if (error_) std::rethrow_exception(error_);
+    return true;
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  std::vector<at::Tensor> tensors_;
+  std::exception_ptr error_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// ------------------------------------------------------------- the backend
+
+class SharedMemoryBackend final : public c10d::Backend {
+ public:
+  SharedMemoryBackend(int rank, int size, std::unique_ptr<Segment> segment,
+                      c10::intrusive_ptr<c10d::Backend> gloo)
+      : c10d::Backend(rank, size), segment_(std::move(segment)), gloo_(std::move(gloo)) {}
+
+  // "gloo": every collective but the dense allreduces is gloo's, and code
+  // that asks the group's backend name means which transport it speaks.
+  const std::string getBackendName() const override { return gloo_->getBackendName(); }
+  c10::intrusive_ptr<Options> getBackendOptions() override { return gloo_->getBackendOptions(); }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    if (!supported(tensors, opts)) return gloo_->allreduce(tensors, opts);
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failure_) return c10::make_intrusive<DoneWork>(tensors, failure_);
+    try {
+      at::Tensor& t = tensors.front();
+      const bool average = opts.reduceOp.op_ == c10d::ReduceOp::AVG;
+      const auto op = average ? c10d::ReduceOp::SUM : opts.reduceOp.op_;
+      if (t.numel() > 0 && t.is_non_overlapping_and_dense()) {
+        segment_->allreduce(t, op);
+      } else if (t.numel() > 0) {
+        const at::Tensor dense = t.contiguous();
+        segment_->allreduce(dense, op);
+        t.copy_(dense);
+      }
+      if (average) t.div_(getSize());
+    } catch (const std::exception&) {
+      // The ranks are out of step now: every later allreduce fails alike.
+      failure_ = std::current_exception();
+      return c10::make_intrusive<DoneWork>(tensors, failure_);
+    }
+    return c10::make_intrusive<DoneWork>(tensors, nullptr);
+  }
+
+  // Everything else is gloo's.
+  void setTimeout(std::chrono::milliseconds timeout) override { gloo_->setTimeout(timeout); }
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& t,
+                                           const c10d::BroadcastOptions& o) override {
+    return gloo_->broadcast(t, o);
+  }
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& t,
+                                                  const c10d::AllreduceOptions& o) override {
+    return gloo_->allreduce_sparse(t, o);
+  }
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& t,
+                                                     const c10d::AllreduceCoalescedOptions& o) override {
+    return gloo_->allreduce_coalesced(t, o);
+  }
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& t, const c10d::ReduceOptions& o) override {
+    return gloo_->reduce(t, o);
+  }
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& out,
+                                           std::vector<at::Tensor>& in,
+                                           const c10d::AllgatherOptions& o) override {
+    return gloo_->allgather(out, in, o);
+  }
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
+                                                 const c10d::AllgatherOptions& o) override {
+    return gloo_->_allgather_base(out, in, o);
+  }
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& out,
+                                                     std::vector<at::Tensor>& in,
+                                                     const c10d::AllgatherOptions& o) override {
+    return gloo_->allgather_coalesced(out, in, o);
+  }
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& out,
+                                                                 std::vector<at::Tensor>& in,
+                                                                 const c10d::AllgatherOptions& o) override {
+    return gloo_->allgather_into_tensor_coalesced(out, in, o);
+  }
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& out,
+                                        std::vector<at::Tensor>& in,
+                                        const c10d::GatherOptions& o) override {
+    return gloo_->gather(out, in, o);
+  }
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& out,
+                                         std::vector<std::vector<at::Tensor>>& in,
+                                         const c10d::ScatterOptions& o) override {
+    return gloo_->scatter(out, in, o);
+  }
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& out,
+                                                std::vector<std::vector<at::Tensor>>& in,
+                                                const c10d::ReduceScatterOptions& o) override {
+    return gloo_->reduce_scatter(out, in, o);
+  }
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
+                                                      const c10d::ReduceScatterOptions& o) override {
+    return gloo_->_reduce_scatter_base(out, in, o);
+  }
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
+      const c10d::ReduceScatterOptions& o) override {
+    return gloo_->reduce_scatter_tensor_coalesced(out, in, o);
+  }
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& out, at::Tensor& in,
+                                               std::vector<int64_t>& out_splits,
+                                               std::vector<int64_t>& in_splits,
+                                               const c10d::AllToAllOptions& o) override {
+    return gloo_->alltoall_base(out, in, out_splits, in_splits, o);
+  }
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
+                                          const c10d::AllToAllOptions& o) override {
+    return gloo_->alltoall(out, in, o);
+  }
+  void monitoredBarrier(const c10d::BarrierOptions& o, bool wait_all_ranks) override {
+    gloo_->monitoredBarrier(o, wait_all_ranks);
+  }
+  void setSequenceNumberForGroup() override { gloo_->setSequenceNumberForGroup(); }
+  uint64_t getSequenceNumberForGroup() override { return gloo_->getSequenceNumberForGroup(); }
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& t, int dst, int tag) override {
+    return gloo_->send(t, dst, tag);
+  }
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& t, int src, int tag) override {
+    return gloo_->recv(t, src, tag);
+  }
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& t, int tag) override {
+    return gloo_->recvAnysource(t, tag);
+  }
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& o) override {
+    return gloo_->barrier(o);
+  }
+  void enableCollectivesTiming() override { gloo_->enableCollectivesTiming(); }
+  void abort() override { gloo_->abort(); }
+  void shutdown() override { gloo_->shutdown(); }
+
+ private:
+  std::unique_ptr<Segment> segment_;
+  c10::intrusive_ptr<c10d::Backend> gloo_;
+  std::mutex mutex_;
+  std::exception_ptr failure_;
+};
+
+// Creates (rank 0) or maps (the others) the segment named `name`; nullptr
+// with `why` set when this rank cannot.
+std::unique_ptr<Segment> map_segment(const std::string& name, bool create, int rank, int world,
+                                     size_t slot_bytes, std::chrono::milliseconds timeout,
+                                     std::string* why) {
+  const size_t bytes = header_bytes() + 2 * static_cast<size_t>(world) * slot_bytes;
+  const int fd = ::shm_open(name.c_str(), create ? O_RDWR | O_CREAT | O_EXCL : O_RDWR, 0600);
+  if (fd < 0) {
+    *why = "shm_open(" + name + "): " + std::strerror(errno);
+    return nullptr;
+  }
+  if (create) {
+    // posix_fallocate, not ftruncate alone: a full /dev/shm must fail here,
+    // not with SIGBUS at the first touch.
+    const int rc = ::ftruncate(fd, static_cast<off_t>(bytes)) == 0
+                       ? ::posix_fallocate(fd, 0, static_cast<off_t>(bytes))
+                       : errno;
+    if (rc != 0) {
+      *why = "cannot size " + name + " to " + std::to_string(bytes) + " bytes: " + std::strerror(rc);
+      ::close(fd);
+      return nullptr;
+    }
+  } else {
+    struct stat st {};
+    if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
+      *why = name + " is not the segment rank 0 made (size " + std::to_string(st.st_size) + ")";
+      ::close(fd);
+      return nullptr;
+    }
+  }
+  void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (base == MAP_FAILED) {
+    *why = "mmap of " + name + ": " + std::strerror(errno);
+    return nullptr;
+  }
+  auto segment = std::make_unique<Segment>(base, bytes, rank, world, timeout);
+  Header* h = segment->header();
+  if (create) {
+    // Fresh pages are zero: the counters start at 0.
+    h->world = static_cast<uint32_t>(world);
+    h->slot_bytes = slot_bytes;
+    h->magic = kMagic;
+  } else if (h->magic != kMagic || h->world != static_cast<uint32_t>(world) ||
+             h->slot_bytes != slot_bytes) {
+    *why = name + " does not hold this group's header";
+    return nullptr;
+  }
+  h->pids[rank] = static_cast<int32_t>(::getpid());
+  return segment;
+}
+
+std::string unique_segment_name() {
+  std::random_device device;
+  std::ostringstream name;
+  name << "/fusetrain-" << ::getpid() << "-" << std::hex << device() << device();
+  return name.str();
+}
+
+}  // namespace
+
+std::string shared_memory_host_identity() {
+  std::string id = read_line("/proc/sys/kernel/random/boot_id");
+  for (const char* kind : {"net", "pid", "mnt", "ipc"}) id += "|" + namespace_of(kind);
+  return id;
+}
+
+c10::intrusive_ptr<c10d::Backend> make_shared_memory_backend(
+    const c10::intrusive_ptr<c10d::Store>& base_store, int rank, int world_size,
+    std::chrono::milliseconds timeout, c10::intrusive_ptr<c10d::Backend> fallback,
+    size_t slot_bytes) {
+  if (world_size < 2 || world_size > kMaxWorld) return {};
+  auto store = c10::make_intrusive<c10d::PrefixStore>("fusetrain_shm", base_store);
+  const auto text = [](const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); };
+  const auto bytes = [](const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); };
+
+  // One host? Every rank reads every identity, so all decide alike.
+  const std::string mine = shared_memory_host_identity();
+  store->set("host/" + std::to_string(rank), bytes(mine));
+  for (int r = 0; r < world_size; ++r) {
+    if (text(store->get("host/" + std::to_string(r))) != mine) return {};
+  }
+
+  if (slot_bytes == 0) slot_bytes = default_slot_bytes(world_size);
+  TORCH_CHECK_VALUE(slot_bytes % kPage == 0 && slot_bytes >= kLine * static_cast<size_t>(world_size),
+                    "make_shared_memory_backend: slot_bytes=", slot_bytes,
+                    " must be a multiple of ", kPage, " of at least 64 bytes a rank");
+  std::string why;
+  std::unique_ptr<Segment> segment;
+  std::string name;
+  if (rank == 0) {
+    name = unique_segment_name();
+    segment = map_segment(name, true, rank, world_size, slot_bytes, timeout, &why);
+    store->set("name", bytes(segment ? name : std::string()));
+  } else {
+    name = text(store->get("name"));
+    if (name.empty()) {
+      why = "rank 0 could not create it";
+    } else {
+      segment = map_segment(name, false, rank, world_size, slot_bytes, timeout, &why);
+    }
+  }
+  store->set("ok/" + std::to_string(rank), bytes(segment ? "" : why.empty() ? "?" : why));
+  std::string failed;
+  for (int r = 0; r < world_size; ++r) {
+    const std::string status = text(store->get("ok/" + std::to_string(r)));
+    if (!status.empty() && failed.empty()) failed = "rank " + std::to_string(r) + ": " + status;
+  }
+  // Every rank has mapped it (or given up): the name can go, and the memory
+  // goes with the last process that unmaps it, however the run ends.
+  if (rank == 0 && !name.empty()) ::shm_unlink(name.c_str());
+  if (!failed.empty()) {
+    if (rank == 0) {
+      TORCH_WARN("fusetrain: the ranks' allreduces go through gloo: the shared-memory segment "
+                 "failed on ", failed);
+    }
+    return {};
+  }
+  return c10::make_intrusive<SharedMemoryBackend>(rank, world_size, std::move(segment),
+                                                  std::move(fallback));
+}
+
+bool uses_shared_memory(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  if (!group || !group->hasBackends()) return false;
+  try {
+    const auto backend = group->getBackend(c10::DeviceType::CPU);
+    return dynamic_cast<const SharedMemoryBackend*>(backend.get()) != nullptr;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+}  // namespace fusetrain::dist
