@@ -68,7 +68,7 @@ struct alignas(kLine) Header {
   uint32_t world;
   uint32_t reserved;
   uint64_t slot_bytes;
-  alignas(kLine) std::atomic<uint32_t> arrived;  // barrier arrivals, all barriers so far
+  alignas(kLine) std::atomic<uint32_t> arrived;   // barrier arrivals, all barriers so far
   alignas(kLine) std::atomic<uint32_t> sleepers;  // ranks asleep on `arrived`
   alignas(kLine) int32_t pids[kMaxWorld];
 };
@@ -134,19 +134,27 @@ template <typename A>
 A combine(c10d::ReduceOp::RedOpType op, A a, A b) {
   if constexpr (std::is_floating_point_v<A>) {
     switch (op) {
-      case c10d::ReduceOp::SUM: return a + b;
-      case c10d::ReduceOp::PRODUCT: return a * b;
+      case c10d::ReduceOp::SUM:
+        return a + b;
+      case c10d::ReduceOp::PRODUCT:
+        return a * b;
       // A NaN anywhere makes the result NaN, whichever rank holds it.
-      case c10d::ReduceOp::MIN: return (a < b || std::isnan(a)) ? a : b;
-      default: return (a > b || std::isnan(a)) ? a : b;
+      case c10d::ReduceOp::MIN:
+        return (a < b || std::isnan(a)) ? a : b;
+      default:
+        return (a > b || std::isnan(a)) ? a : b;
     }
   } else {
     using U = std::make_unsigned_t<A>;  // sums and products wrap, as in gloo, without UB
     switch (op) {
-      case c10d::ReduceOp::SUM: return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
-      case c10d::ReduceOp::PRODUCT: return static_cast<A>(static_cast<U>(a) * static_cast<U>(b));
-      case c10d::ReduceOp::MIN: return std::min(a, b);
-      default: return std::max(a, b);
+      case c10d::ReduceOp::SUM:
+        return static_cast<A>(static_cast<U>(a) + static_cast<U>(b));
+      case c10d::ReduceOp::PRODUCT:
+        return static_cast<A>(static_cast<U>(a) * static_cast<U>(b));
+      case c10d::ReduceOp::MIN:
+        return std::min(a, b);
+      default:
+        return std::max(a, b);
     }
   }
 }
@@ -179,10 +187,14 @@ void reduce_typed(c10d::ReduceOp::RedOpType op, void* out, const std::vector<con
   for (const void* p : raw) slots.push_back(static_cast<const T*>(p));
   T* o = static_cast<T*>(out);
   switch (op) {
-    case c10d::ReduceOp::SUM: return reduce_into<T, c10d::ReduceOp::SUM>(o, slots, n);
-    case c10d::ReduceOp::PRODUCT: return reduce_into<T, c10d::ReduceOp::PRODUCT>(o, slots, n);
-    case c10d::ReduceOp::MIN: return reduce_into<T, c10d::ReduceOp::MIN>(o, slots, n);
-    default: return reduce_into<T, c10d::ReduceOp::MAX>(o, slots, n);
+    case c10d::ReduceOp::SUM:
+      return reduce_into<T, c10d::ReduceOp::SUM>(o, slots, n);
+    case c10d::ReduceOp::PRODUCT:
+      return reduce_into<T, c10d::ReduceOp::PRODUCT>(o, slots, n);
+    case c10d::ReduceOp::MIN:
+      return reduce_into<T, c10d::ReduceOp::MIN>(o, slots, n);
+    default:
+      return reduce_into<T, c10d::ReduceOp::MAX>(o, slots, n);
   }
 }
 
@@ -242,7 +254,11 @@ bool supported(const std::vector<at::Tensor>& tensors, const c10d::AllreduceOpti
 class Segment {
  public:
   Segment(void* base, size_t bytes, int rank, int world, std::chrono::milliseconds timeout)
-      : base_(static_cast<char*>(base)), bytes_(bytes), rank_(rank), world_(world), timeout_(timeout) {}
+      : base_(static_cast<char*>(base)),
+        bytes_(bytes),
+        rank_(rank),
+        world_(world),
+        timeout_(timeout) {}
   ~Segment() { ::munmap(base_, bytes_); }
   Segment(const Segment&) = delete;
   Segment& operator=(const Segment&) = delete;
@@ -275,12 +291,24 @@ class Segment {
         for (int r = 0; r < world_; ++r) sources[r] = slot(set, r) + lo * elem;
         char* out = slot(set, rank_) + lo * elem;
         switch (t.scalar_type()) {
-          case at::kFloat: reduce_typed<float>(op, out, sources, hi - lo); break;
-          case at::kDouble: reduce_typed<double>(op, out, sources, hi - lo); break;
-          case at::kBFloat16: reduce_typed<c10::BFloat16>(op, out, sources, hi - lo); break;
-          case at::kHalf: reduce_typed<c10::Half>(op, out, sources, hi - lo); break;
-          case at::kInt: reduce_typed<int32_t>(op, out, sources, hi - lo); break;
-          default: reduce_typed<int64_t>(op, out, sources, hi - lo); break;
+          case at::kFloat:
+            reduce_typed<float>(op, out, sources, hi - lo);
+            break;
+          case at::kDouble:
+            reduce_typed<double>(op, out, sources, hi - lo);
+            break;
+          case at::kBFloat16:
+            reduce_typed<c10::BFloat16>(op, out, sources, hi - lo);
+            break;
+          case at::kHalf:
+            reduce_typed<c10::Half>(op, out, sources, hi - lo);
+            break;
+          case at::kInt:
+            reduce_typed<int32_t>(op, out, sources, hi - lo);
+            break;
+          default:
+            reduce_typed<int64_t>(op, out, sources, hi - lo);
+            break;
         }
       }
       barrier();
@@ -353,7 +381,8 @@ class DoneWork : public c10d::Work {
  public:
   DoneWork(std::vector<at::Tensor> tensors, std::exception_ptr error)
       : c10d::Work(-1, c10d::OpType::ALLREDUCE), tensors_(std::move(tensors)), error_(error) {
-    future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+    future_ =
+        c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
     if (error_) {
       future_->setError(error_);
     } else {
@@ -425,11 +454,12 @@ class SharedMemoryBackend final : public c10d::Backend {
                                                   const c10d::AllreduceOptions& o) override {
     return gloo_->allreduce_sparse(t, o);
   }
-  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& t,
-                                                     const c10d::AllreduceCoalescedOptions& o) override {
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& t, const c10d::AllreduceCoalescedOptions& o) override {
     return gloo_->allreduce_coalesced(t, o);
   }
-  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& t, const c10d::ReduceOptions& o) override {
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& t,
+                                        const c10d::ReduceOptions& o) override {
     return gloo_->reduce(t, o);
   }
   c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& out,
@@ -446,9 +476,9 @@ class SharedMemoryBackend final : public c10d::Backend {
                                                      const c10d::AllgatherOptions& o) override {
     return gloo_->allgather_coalesced(out, in, o);
   }
-  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& out,
-                                                                 std::vector<at::Tensor>& in,
-                                                                 const c10d::AllgatherOptions& o) override {
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
+      const c10d::AllgatherOptions& o) override {
     return gloo_->allgather_into_tensor_coalesced(out, in, o);
   }
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& out,
@@ -466,8 +496,8 @@ class SharedMemoryBackend final : public c10d::Backend {
                                                 const c10d::ReduceScatterOptions& o) override {
     return gloo_->reduce_scatter(out, in, o);
   }
-  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
-                                                      const c10d::ReduceScatterOptions& o) override {
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions& o) override {
     return gloo_->_reduce_scatter_base(out, in, o);
   }
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
@@ -531,7 +561,8 @@ std::unique_ptr<Segment> map_segment(const std::string& name, bool create, int r
                        ? ::posix_fallocate(fd, 0, static_cast<off_t>(bytes))
                        : errno;
     if (rc != 0) {
-      *why = "cannot size " + name + " to " + std::to_string(bytes) + " bytes: " + std::strerror(rc);
+      *why =
+          "cannot size " + name + " to " + std::to_string(bytes) + " bytes: " + std::strerror(rc);
       ::close(fd);
       return nullptr;
     }
@@ -597,9 +628,10 @@ c10::intrusive_ptr<c10d::Backend> make_shared_memory_backend(
   }
 
   if (slot_bytes == 0) slot_bytes = default_slot_bytes(world_size);
-  TORCH_CHECK_VALUE(slot_bytes % kPage == 0 && slot_bytes >= kLine * static_cast<size_t>(world_size),
-                    "make_shared_memory_backend: slot_bytes=", slot_bytes,
-                    " must be a multiple of ", kPage, " of at least 64 bytes a rank");
+  TORCH_CHECK_VALUE(
+      slot_bytes % kPage == 0 && slot_bytes >= kLine * static_cast<size_t>(world_size),
+      "make_shared_memory_backend: slot_bytes=", slot_bytes, " must be a multiple of ", kPage,
+      " of at least 64 bytes a rank");
   std::string why;
   std::unique_ptr<Segment> segment;
   std::string name;
@@ -626,8 +658,10 @@ c10::intrusive_ptr<c10d::Backend> make_shared_memory_backend(
   if (rank == 0 && !name.empty()) ::shm_unlink(name.c_str());
   if (!failed.empty()) {
     if (rank == 0) {
-      TORCH_WARN("fusetrain: the ranks' allreduces go through gloo: the shared-memory segment "
-                 "failed on ", failed);
+      TORCH_WARN(
+          "fusetrain: the ranks' allreduces go through gloo: the shared-memory segment "
+          "failed on ",
+          failed);
     }
     return {};
   }
