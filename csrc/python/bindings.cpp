@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/python_comm_hook.h>
 #include <torch/extension.h>
 
+#include <pybind11/chrono.h>
 #include <pybind11/stl.h>
 
 namespace py = pybind11;
@@ -161,6 +162,18 @@ PYBIND11_MODULE(_C, m) {
       .def("load", &GradScaler::load);
 
   namespace dist = fusetrain::dist;
+  // The torch.distributed backend "fusetrain" (fusetrain.parallel): gloo with
+  // the shared-memory allreduce in front when every rank is on this host.
+  m.def(
+      "shared_memory_backend",
+      [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int world_size,
+         std::chrono::milliseconds timeout, c10::intrusive_ptr<c10d::Backend> gloo) {
+        auto shm = dist::make_shared_memory_backend(store, rank, world_size, timeout, gloo);
+        return shm ? shm : gloo;
+      },
+      py::call_guard<py::gil_scoped_release>());
+  m.def("uses_shared_memory",
+        [](const ProcessGroupPtr& group) { return dist::uses_shared_memory(group); });
   py::class_<dist::Reducer>(m, "Reducer")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        ProcessGroupPtr group, double bucket_cap_mb, double first_bucket_cap_mb,

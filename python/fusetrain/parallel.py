@@ -50,7 +50,32 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from . import _C
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "uses_shared_memory"]
+
+
+# ---------------------------------------------------------------- the "fusetrain" backend
+# Note [Shared-memory allreduce] in csrc/dist/shared_memory.h: gloo, with the
+# allreduces of dense CPU tensors going through one shared-memory segment
+# when every rank of the group is on this host (same boot, network, PID,
+# mount and IPC namespaces); across hosts it is gloo alone.
+
+
+def _create_fusetrain_backend(store, group_rank: int, group_size: int, timeout):
+    gloo = dist.ProcessGroupGloo(store, group_rank, group_size, timeout)
+    return _C.shared_memory_backend(store, group_rank, group_size, timeout, gloo)
+
+
+def uses_shared_memory(group: Optional["dist.ProcessGroup"] = None) -> bool:
+    """Whether ``group``'s (default: the default group's) CPU allreduces go
+    through shared memory: ``torch.distributed.init_process_group("fusetrain")``
+    (or ``"cpu:fusetrain,cuda:nccl"``) with every rank on this host."""
+    if group is None:
+        group = dist.distributed_c10d._get_default_group()
+    return _C.uses_shared_memory(group)
+
+
+if dist.is_available() and "fusetrain" not in dist.Backend.backend_list:
+    dist.Backend.register_backend("fusetrain", _create_fusetrain_backend, devices=["cpu"])
 
 _COMM_DTYPES = {None: None, torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 

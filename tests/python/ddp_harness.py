@@ -63,7 +63,8 @@ def worker_main(argv, suites: Dict[str, List[Callable]], no_final_barrier=()) ->
         name = scenario.__name__[3:]
         if only and name not in only.split(","):
             continue
-        pg = dist.new_group(backend=args.backend, timeout=timeout) if args.backend == "gloo" else None
+        fresh = args.backend in ("gloo", "fusetrain")
+        pg = dist.new_group(backend=args.backend, timeout=timeout) if fresh else None
         t0 = time.monotonic()
         try:
             results[name] = {"ok": True, "data": scenario(pg, rank, world)}
@@ -73,7 +74,7 @@ def worker_main(argv, suites: Dict[str, List[Callable]], no_final_barrier=()) ->
         torch.save(results, out_path)
     sys.stdout.flush()
     sys.stderr.flush()
-    if args.worker not in no_final_barrier and args.backend == "gloo":
+    if args.worker not in no_final_barrier and args.backend in ("gloo", "fusetrain"):
         dist.barrier()
     # Skip interpreter teardown (gloo's destructors after a dead peer).
     os._exit(0)
