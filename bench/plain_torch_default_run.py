@@ -5,14 +5,15 @@ config: 3x3 conv + batch norm + ReLU layers, 2x2 max pooling a block, then
 the dense layers), Fashion-MNIST normalised by
 the training set's mean and std, 2 processes of torch DistributedDataParallel
 over gloo, a global batch of 128 (64 per process), torch.optim.AdamW
-(fused=True) at lr 2e-3 with weight decay 0.05 on weight matrices only, a
-linear warm-up over 234 steps then cosine decay to 0, 6 epochs, the data order
+(fused=True) at the config's optimizer.lr with its weight decay on weight
+matrices only, a linear warm-up over schedule.warmup_steps then cosine decay
+to 0 (batch, rates, warm-up and epochs read from the config too), the data order
 a per-epoch permutation from the seed, torch.autocast when the precision is
 mixed (F.cross_entropy in float32 either way, as the trainer's float32 head
 and loss), intra-op threads = cores / processes. Prints one JSON line:
 {"precision", "accuracy", "test_loss", "wall_s", "train_s"}.
 
-    python bench/plain_torch_default_run.py [--precision float32|mixed_bfloat16] [--epochs 6]
+    python bench/plain_torch_default_run.py [--precision float32|mixed_bfloat16] [--epochs N]
 """
 
 from __future__ import annotations
@@ -37,17 +38,27 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "python"))
 
 FASHION = Path(os.environ.get("FUSETRAIN_FASHION_MNIST", "/usr/share/datasets/fashion-mnist"))
-BATCH, LR, WD, WARMUP, WORLD = 128, 2e-3, 0.05, 234, 2
+
+
+def default_config() -> dict:
+    import yaml
+
+    return yaml.safe_load((HERE.parent / "configs" / "fashion_mnist.yaml").read_text())
+
+
+# The recipe's numbers, read from the trainer's default config.
+_CFG = default_config()
+BATCH, LR, WD = _CFG["data"]["batch_size"], _CFG["optimizer"]["lr"], _CFG["optimizer"]["weight_decay"]
+WARMUP, WORLD = _CFG["schedule"]["warmup_steps"], _CFG["runtime"]["nproc"]
 
 
 def default_cnn() -> torch.nn.Module:
     """The default run's CNN as a plain nn.Module, built from the model section
     of configs/fashion_mnist.yaml by fusetrain.load_checkpoint (the trainer's
     models rebuilt in Python)."""
-    import yaml
     from fusetrain.load_checkpoint import build_model
 
-    return build_model(yaml.safe_load((HERE.parent / "configs" / "fashion_mnist.yaml").read_text()))
+    return build_model(_CFG)
 
 
 def idx(name: str) -> torch.Tensor:
@@ -115,7 +126,7 @@ def worker(rank: int, init: str, precision: str, epochs: int, out: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--precision", default="float32", choices=("float32", "mixed_bfloat16"))
-    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--epochs", type=int, default=_CFG["train"]["epochs"])
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
