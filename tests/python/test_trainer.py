@@ -158,7 +158,7 @@ def test_communication_hooks_on_two_ranks(tmp_path):
 
     resolved = yaml.safe_load((runs["powersgd"] / "config.yaml").read_text())
     assert resolved["parallel"] == {"comm_hook": "powersgd", "powersgd_rank": 2, "powersgd_start_iter": 2,
-                                    "shard": "none"}
+                                    "shard": "none", "shared_memory": True}
 
 
 def _free_port() -> int:
