@@ -68,9 +68,6 @@ inline F fnmadd(F a, F b, F c) { return {_mm256_fnmadd_ps(a.v, b.v, c.v)}; } // 
 inline F sqrt(F a) { return {_mm256_sqrt_ps(a.v)}; }
 // maxps: the second operand where either is NaN, as std::max(b, a).
 inline F max(F a, F b) { return {_mm256_max_ps(a.v, b.v)}; }
-inline F round_even(F a) {
-  return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
-}
 // a * 2^n for integral n in [-126, 127] with a * 2^n normal: an exponent add.
 inline F ldexp(F a, F n) {
   const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n.v), 23);
@@ -82,6 +79,8 @@ inline M operator==(F a, F b) { return {_mm256_cmp_ps(a.v, b.v, _CMP_EQ_OQ)}; }
 // !(a <= b): set where a > b and where either is NaN.
 inline M not_le(F a, F b) { return {_mm256_cmp_ps(a.v, b.v, _CMP_NLE_UQ)}; }
 inline F select(M m, F if_set, F if_clear) { return {_mm256_blendv_ps(if_clear.v, if_set.v, m.v)}; }
+// 0 where `zero` is set, else ldexp(a, n).
+inline F ldexp_or_zero(M zero, F a, F n) { return select(zero, set1(0.f), ldexp(a, n)); }
 inline bool all(M m) { return _mm256_movemask_ps(m.v) == 0xff; }
 
 // Non-finite detection on bits: |x|'s bits, as unsigned, are >= 0x7f800000

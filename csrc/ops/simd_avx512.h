@@ -66,12 +66,14 @@ inline F fmadd(F a, F b, F c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline F fnmadd(F a, F b, F c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }
 inline F sqrt(F a) { return {_mm512_sqrt_ps(a.v)}; }
 inline F max(F a, F b) { return {_mm512_max_ps(a.v, b.v)}; }  // as simd_avx2.h's
-inline F round_even(F a) {
-  return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
-}
 inline F ldexp(F a, F n) {
   const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n.v), 23);
   return {_mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a.v), e))};
+}
+// 0 where `zero` is set, else a * 2^n: ldexp's bits wherever the product is
+// normal (VSCALEFPS rounds nothing then), in one instruction.
+inline F ldexp_or_zero(M zero, F a, F n) {
+  return {_mm512_maskz_scalef_ps(static_cast<__mmask16>(~zero.k), a.v, n.v)};
 }
 
 inline M operator<(F a, F b) { return {_mm512_cmp_ps_mask(a.v, b.v, _CMP_LT_OQ)}; }
