@@ -42,4 +42,26 @@
 // FUSETRAIN_SIMD_BEGIN(avx2) / FUSETRAIN_SIMD_BEGIN(FUSETRAIN_SIMD_ISA).
 #define FUSETRAIN_SIMD_BEGIN(isa) FUSETRAIN_SIMD_BEGIN_I(isa)
 #define FUSETRAIN_SIMD_BEGIN_I(isa) FUSETRAIN_SIMD_PUSH(FUSETRAIN_SIMD_TARGET_##isa)
+
+#include <cstdint>
+
+namespace fusetrain::ops::simd {
+// Note [Software prefetch]
+// Software prefetch kPrefetchBytes ahead of a streaming loop's reads and
+// writes. On the 2-vCPU Xeon VMs one core's hardware prefetch streams at
+// about 4 GB/s, so a loop that streams from DRAM waits on memory much of the
+// time: the cross-entropy forward ran 7.98 ns a 16-lane bf16 vector streamed
+// against 4.3 ns in cache, 5.26 ns with this. Prefetches never fault, so
+// running past the end of a buffer is harmless; the address is formed as an
+// integer, as it may lie outside the buffer.
+constexpr uintptr_t kPrefetchBytes = 2048;
+inline void prefetch_read(const void* p) {
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + kPrefetchBytes),
+                     0, 3);
+}
+inline void prefetch_write(const void* p) {
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + kPrefetchBytes),
+                     1, 3);
+}
+}  // namespace fusetrain::ops::simd
 #endif
