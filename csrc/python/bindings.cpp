@@ -89,6 +89,20 @@ PYBIND11_MODULE(_C, m) {
     const fusetrain::amp::Policy p = fusetrain::amp::best_policy(parse_device_type(device));
     return py::make_tuple(p.name(), p.reason());
   }, py::arg("device_type"));
+  // fusetrain.nn.functional.softmax_cross_entropy's eager path: the C++
+  // autograd Function, whose backward runs without the Python autograd
+  // Function's ~100 us a call (issue 14's small-model overhead).
+  m.def("softmax_cross_entropy",
+        [](const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
+           double label_smoothing, const std::string& reduction) {
+          fusetrain::nn::SoftmaxCrossEntropyOptions options;
+          options.ignore_index = ignore_index;
+          options.label_smoothing = label_smoothing;
+          options.reduction = reduction;
+          return fusetrain::nn::softmax_cross_entropy(logits, target, options);
+        },
+        py::arg("logits"), py::arg("target"), py::arg("ignore_index"), py::arg("label_smoothing"),
+        py::arg("reduction"));
   m.def("cpu_bf16_speed", &fusetrain::amp::measure_cpu_bf16_speed,
         py::call_guard<py::gil_scoped_release>());
   m.def("cpu_features", [] {

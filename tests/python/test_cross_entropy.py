@@ -324,6 +324,25 @@ def test_meta_shapes():
         assert g.shape == (7, 11) and g.dtype == torch.bfloat16 and g.device.type == "meta"
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_eager_backward_runs_in_cpp(reduction):
+    """Eager calls go through the C++ autograd Function (issue 14's per-call
+    overhead: no Python in the backward), with the bits of the Python
+    Function that torch.compile traces: the same two ops."""
+    x, t = make_case(9, 41, torch.bfloat16, "some_ignored")
+    a = x.clone().requires_grad_()
+    loss = FF.softmax_cross_entropy(a, t, reduction=reduction, label_smoothing=0.1)
+    assert not isinstance(loss.grad_fn, torch.autograd.function.BackwardCFunction), type(loss.grad_fn)
+    b = x.clone().requires_grad_()
+    ref, _ = FF._SoftmaxCrossEntropy.apply(b, t, IGNORE_INDEX, 0.1, reduction)
+    assert isinstance(ref.grad_fn, torch.autograd.function.BackwardCFunction)
+    assert torch.equal(loss, ref)
+    g = torch.linspace(0.5, 2.0, loss.numel()).reshape(loss.shape)
+    loss.backward(g)
+    ref.backward(g)
+    assert torch.equal(a.grad, b.grad)
+
+
 def test_torch_compile_traces_the_ops():
     x, t = make_case(16, 37, torch.bfloat16, "some_ignored")
 

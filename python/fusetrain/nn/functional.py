@@ -135,8 +135,16 @@ def softmax_cross_entropy(
 
 
 def _apply(logits, target, ignore_index, label_smoothing, reduction):
-    loss, _ = _SoftmaxCrossEntropy.apply(logits, target, int(ignore_index), float(label_smoothing), reduction)
-    return loss
+    if torch.compiler.is_compiling():
+        # Dynamo traces the Python Function (into the two ops); the C++ one
+        # is opaque to it.
+        loss, _ = _SoftmaxCrossEntropy.apply(logits, target, int(ignore_index), float(label_smoothing),
+                                             reduction)
+        return loss
+    # Eager: the C++ autograd Function (fusetrain::nn::softmax_cross_entropy),
+    # the same two ops without Python in the backward: 64 x 512 fp32 logits
+    # fwd+bwd took 155 us through _SoftmaxCrossEntropy, of which the ops are 54.
+    return _C.softmax_cross_entropy(logits, target, int(ignore_index), float(label_smoothing), reduction)
 
 
 # F.cross_entropy's name, for ``import fusetrain.nn.functional as F``.
