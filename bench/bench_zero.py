@@ -73,8 +73,15 @@ this process compares them (also rank 0 against rank 1, which must be equal).
 The interleaved workers compare each configuration's final parameters with
 unsharded fusetrain's in place (JSON ``interleaved_max_param_diff_vs_ft_ddp``).
 
-Writes ``bench/results/zero-<machine>-<date>.json``.
-    .venv/bin/python bench/bench_zero.py [--steps 15] [--warmup 3] [--interleaved-steps 28]
+``--backend fusetrain`` runs every configuration (torch's too) on
+fusetrain's process group instead: gloo with the shared-memory collectives in
+front (Note [Shared-memory allreduce] in csrc/dist/shared_memory.h), where
+the reduce-scatter and the all-gather of ZeRO take the segment as DDP's
+allreduce does.
+
+Writes ``bench/results/zero-<machine>-<date>.json`` (``zero-shm-...`` with
+``--backend fusetrain``).
+    .venv/bin/python bench/bench_zero.py [--backend gloo|fusetrain] [--steps 15] [--warmup 3] [--interleaved-steps 28]
 """
 
 from __future__ import annotations
@@ -100,7 +107,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from common import _cpu_model, machine_slug  # noqa: E402
+from common import _cpu_model, machine_info, machine_slug  # noqa: E402
 
 WORLD = 2
 BATCH = 64  # per rank
@@ -123,6 +130,7 @@ CONFIGS = {
     "torch_ddp": "torch DDP + AdamW",
 }
 BASELINE = "ft_ddp"
+BACKENDS = {"gloo": "gloo (loopback)", "fusetrain": "fusetrain (gloo + shared memory)"}
 FUSETRAIN_CONFIGS = ("ft_ddp", "stage1", "stage2", "stage1_view", "stage2_view")
 SHARDED = ("stage1", "stage2", "stage1_view", "stage2_view")
 
@@ -199,8 +207,11 @@ def _init_group(args):
     import torch.distributed as dist
 
     torch.set_num_threads(THREADS)
+    if args.backend == "fusetrain":
+        import fusetrain.parallel  # noqa: F401 - registers the backend (and serves the torch rows too)
     store = dist.TCPStore("127.0.0.1", args.port, None, False, timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    dist.init_process_group(args.backend, store=store, rank=args.rank, world_size=WORLD,
+                            timeout=timedelta(seconds=60))
 
 
 def _ft_version():
@@ -361,7 +372,7 @@ def run_config(config: str, args, steps: int = None, only=None) -> dict:
             cmd = [
                 sys.executable, str(Path(__file__).resolve()), "--worker", config, "--rank", str(rank),
                 "--port", str(store.port), "--out", tmp, "--steps", str(args.steps if steps is None else steps),
-                "--warmup", str(args.warmup),
+                "--warmup", str(args.warmup), "--backend", args.backend,
             ]
             if only:
                 cmd += ["--only", *only]
@@ -426,6 +437,9 @@ def main(argv) -> None:
                          "configurations puts each one in each position equally often)")
     ap.add_argument("--deadline", type=float, default=DEADLINE_S)
     ap.add_argument("--only", nargs="*", choices=sorted(CONFIGS), help="a subset of the configurations")
+    ap.add_argument("--backend", choices=["gloo", "fusetrain"], default="gloo",
+                    help="the process group of every configuration: gloo over loopback, or fusetrain's "
+                         "(gloo with the shared-memory collectives in front, Note [Shared-memory allreduce])")
     args = ap.parse_args(argv)
     if args.worker:
         try:
@@ -443,21 +457,23 @@ def main(argv) -> None:
     cores = os.cpu_count()
     cpu = _cpu_model()
     load_start = _loadavg()
+    probed = machine_info(torch.device("cpu"), THREADS)  # (imports fusetrain here, not in the torch workers)
     info = {
         "cpu_model": cpu,
         "cpu_cores": cores,
+        **{k: probed[k] for k in ("cpu_isa", "cpu_amx_bf16", "cpu_avx512_bf16", "git") if k in probed},
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "world": WORLD,
-        "backend": "gloo (loopback)",
+        "backend": BACKENDS[args.backend],
         "threads_per_rank": THREADS,
         "loadavg_start": load_start[0],
         "loadavg_1_5_15_start": load_start,
     }
     configs = args.only or list(CONFIGS)
     print(
-        f"bench_zero: {WORLD} ranks x {THREADS} thread(s) on {cores} cores ({cpu}), gloo loopback, "
+        f"bench_zero: {WORLD} ranks x {THREADS} thread(s) on {cores} cores ({cpu}), {BACKENDS[args.backend]}, "
         f"batch {BATCH}/rank, AdamW lr {LR}; isolated: {args.warmup} warm-up + {args.steps} timed steps per "
         f"configuration; interleaved: {args.warmup} warm-up + {args.interleaved_steps} timed iterations of all "
         f"{len(configs)}; load average {load_start[0]:.2f}",
@@ -627,7 +643,9 @@ def main(argv) -> None:
     # ------------------------------------------------------------- JSON
     out_dir = HERE / "results"
     out_dir.mkdir(exist_ok=True)
-    out = out_dir / f"zero-{machine_slug({'cpu_model': cpu, 'cpu_cores': cores})}-{datetime.date.today().isoformat()}.json"
+    shm = "-shm" if args.backend == "fusetrain" else ""
+    out = out_dir / (f"zero{shm}-{machine_slug(info)}-"
+                     f"{datetime.date.today().isoformat()}.json")
     payload = {
         "benchmark": "zero",
         "machine": info,

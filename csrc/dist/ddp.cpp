@@ -299,7 +299,7 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     piece_numel.clear();
     if (sharded()) {
       has_grad.assign(params.size(), 0);
-      shard_by_allreduce = gloo_collectives(params.front());
+      shard_by_allreduce = gloo_collectives(params.front(), group);
       std::vector<int64_t> numels;
       for (const auto& p : params) numels.push_back(p.numel());
       const ShardLayout layout(numels, assignment, group->getSize());

@@ -28,6 +28,7 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <random>
 #include <sstream>
@@ -198,6 +199,24 @@ void reduce_typed(c10d::ReduceOp::RedOpType op, void* out, const std::vector<con
   }
 }
 
+void reduce_dispatch(at::ScalarType dtype, c10d::ReduceOp::RedOpType op, void* out,
+                     const std::vector<const void*>& sources, size_t n) {
+  switch (dtype) {
+    case at::kFloat:
+      return reduce_typed<float>(op, out, sources, n);
+    case at::kDouble:
+      return reduce_typed<double>(op, out, sources, n);
+    case at::kBFloat16:
+      return reduce_typed<c10::BFloat16>(op, out, sources, n);
+    case at::kHalf:
+      return reduce_typed<c10::Half>(op, out, sources, n);
+    case at::kInt:
+      return reduce_typed<int32_t>(op, out, sources, n);
+    default:
+      return reduce_typed<int64_t>(op, out, sources, n);
+  }
+}
+
 // No two elements of `t` share memory: with the dimensions sorted by
 // stride, each stride reaches past the extent of the smaller ones.
 bool distinct_elements(const at::Tensor& t) {
@@ -215,28 +234,28 @@ bool distinct_elements(const at::Tensor& t) {
   return true;
 }
 
-bool supported(const std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
-  if (tensors.size() != 1 || opts.sparseIndices.has_value()) return false;
-  const at::Tensor& t = tensors.front();
-  // Strided views go through a dense copy; a tensor whose elements share
-  // memory (expanded) cannot take the result.
-  if (!t.defined() || t.device().type() != c10::DeviceType::CPU || t.layout() != at::kStrided ||
-      !distinct_elements(t)) {
-    return false;
-  }
-  switch (opts.reduceOp.op_) {
+// A tensor the segment can take: a defined strided CPU tensor. Strided
+// views go through a dense copy.
+bool on_cpu(const at::Tensor& t) {
+  return t.defined() && t.device().type() == c10::DeviceType::CPU && t.layout() == at::kStrided;
+}
+
+// Whether the segment reduces `op` over `dtype`. Every rank decides alike:
+// what it looks at is the same on every rank of a correct program.
+bool reducible(at::ScalarType dtype, const c10d::ReduceOp& reduce_op) {
+  switch (reduce_op.op_) {
     case c10d::ReduceOp::SUM:
     case c10d::ReduceOp::PRODUCT:
     case c10d::ReduceOp::MIN:
     case c10d::ReduceOp::MAX:
       break;
     case c10d::ReduceOp::AVG:  // the sum, divided in place (as gloo); gloo refuses integers
-      if (!at::isFloatingType(t.scalar_type())) return false;
+      if (!at::isFloatingType(dtype)) return false;
       break;
     default:
       return false;
   }
-  switch (t.scalar_type()) {
+  switch (dtype) {
     case at::kFloat:
     case at::kDouble:
     case at::kBFloat16:
@@ -247,6 +266,20 @@ bool supported(const std::vector<at::Tensor>& tensors, const c10d::AllreduceOpti
     default:
       return false;
   }
+}
+
+bool supported(const std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+  if (tensors.size() != 1 || opts.sparseIndices.has_value()) return false;
+  const at::Tensor& t = tensors.front();
+  // A tensor whose elements share memory (expanded) cannot take the result.
+  return on_cpu(t) && distinct_elements(t) && reducible(t.scalar_type(), opts.reduceOp);
+}
+
+// Whether the byte ranges of two dense tensors meet.
+bool overlap(const at::Tensor& a, const at::Tensor& b) {
+  const auto* a0 = static_cast<const char*>(a.const_data_ptr());
+  const auto* b0 = static_cast<const char*>(b.const_data_ptr());
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
 }
 
 // ------------------------------------------------------------- the segment
@@ -281,35 +314,14 @@ class Segment {
     for (size_t done = 0; done < total; done += per_chunk) {
       const size_t n = std::min(per_chunk, total - done);
       const size_t share = round_up((n + world_ - 1) / world_, line_elems);
-      const int set = static_cast<int>(chunks_ & 1);
-      ++chunks_;
+      const int set = next_set();
       char* src = data + done * elem;
       std::memcpy(slot(set, rank_), src, n * elem);
       barrier();
       const size_t lo = std::min(n, share * rank_), hi = std::min(n, lo + share);
       if (hi > lo) {
         for (int r = 0; r < world_; ++r) sources[r] = slot(set, r) + lo * elem;
-        char* out = slot(set, rank_) + lo * elem;
-        switch (t.scalar_type()) {
-          case at::kFloat:
-            reduce_typed<float>(op, out, sources, hi - lo);
-            break;
-          case at::kDouble:
-            reduce_typed<double>(op, out, sources, hi - lo);
-            break;
-          case at::kBFloat16:
-            reduce_typed<c10::BFloat16>(op, out, sources, hi - lo);
-            break;
-          case at::kHalf:
-            reduce_typed<c10::Half>(op, out, sources, hi - lo);
-            break;
-          case at::kInt:
-            reduce_typed<int32_t>(op, out, sources, hi - lo);
-            break;
-          default:
-            reduce_typed<int64_t>(op, out, sources, hi - lo);
-            break;
-        }
+        reduce_dispatch(t.scalar_type(), op, slot(set, rank_) + lo * elem, sources, hi - lo);
       }
       barrier();
       for (int r = 0; r < world_; ++r) {
@@ -319,7 +331,74 @@ class Segment {
     }
   }
 
+  // out = every rank's `in` (`bytes` each) end to end in rank order. `in`
+  // may be this rank's place in `out` (in place), else apart from it. One
+  // barrier a chunk: each rank copies its chunk in, then the others' out.
+  void allgather(const char* in, char* out, size_t bytes) {
+    char* own = out + static_cast<size_t>(rank_) * bytes;
+    if (in != own) std::memcpy(own, in, bytes);
+    for (size_t done = 0; done < bytes; done += slot_bytes()) {
+      const size_t n = std::min(slot_bytes(), bytes - done);
+      const int set = next_set();
+      std::memcpy(slot(set, rank_), in + done, n);
+      barrier();
+      for (int r = 0; r < world_; ++r) {
+        if (r != rank_) std::memcpy(out + r * bytes + done, slot(set, r), n);
+      }
+    }
+  }
+
+  // t = root's t (dense, `bytes`): the root copies a chunk in, the others
+  // copy it out after one barrier.
+  void broadcast(char* t, size_t bytes, int root) {
+    for (size_t done = 0; done < bytes; done += slot_bytes()) {
+      const size_t n = std::min(slot_bytes(), bytes - done);
+      const int set = next_set();
+      if (rank_ == root) std::memcpy(slot(set, root), t + done, n);
+      barrier();
+      if (rank_ != root) std::memcpy(t + done, slot(set, root), n);
+    }
+  }
+
+  // out = piece `rank` of every rank's `in` (world pieces of out.numel()
+  // elements, dense) reduced in rank order, as allreduce reduces it: the
+  // same bits. `out` is in's own piece (in place) or apart from `in`. A
+  // chunk of a slot holds world sub-chunks, sub-chunk q for rank q; each
+  // rank copies in the others' sub-chunks and, after one barrier, reduces
+  // its own from every slot (its own input read in place).
+  void reduce_scatter(const at::Tensor& in, const at::Tensor& out, c10d::ReduceOp::RedOpType op) {
+    const size_t elem = in.element_size();
+    const size_t n = static_cast<size_t>(out.numel());
+    const size_t line_elems = kLine / elem;
+    const size_t per_chunk = slot_bytes() / world_ / elem / line_elems * line_elems;
+    const char* data = static_cast<const char*>(in.const_data_ptr());
+    char* dst = static_cast<char*>(out.data_ptr());
+    std::vector<const void*> sources(world_);
+    for (size_t done = 0; done < n; done += per_chunk) {
+      const size_t m = std::min(per_chunk, n - done);
+      const int set = next_set();
+      for (int q = 0; q < world_; ++q) {
+        if (q != rank_) {
+          std::memcpy(slot(set, rank_) + q * per_chunk * elem, data + (q * n + done) * elem,
+                      m * elem);
+        }
+      }
+      barrier();
+      for (int r = 0; r < world_; ++r) {
+        sources[r] =
+            r == rank_ ? data + (rank_ * n + done) * elem : slot(set, r) + rank_ * per_chunk * elem;
+      }
+      reduce_dispatch(in.scalar_type(), op, dst + done * elem, sources, m);
+    }
+  }
+
  private:
+  // The slot set of the next chunk. The sets alternate, so a rank writes
+  // set s again only after the barrier of the chunk between, which every
+  // rank reaches after it has read all it needs of set s: one barrier a
+  // chunk keeps the ranks apart whatever the collectives in between.
+  int next_set() { return static_cast<int>(chunks_++ & 1); }
+
   // Waits until every rank has arrived at this barrier (the ranks pass
   // them in the same order, counting on one shared word).
   void barrier() {
@@ -379,8 +458,8 @@ class Segment {
 // `error`, which wait() throws.
 class DoneWork : public c10d::Work {
  public:
-  DoneWork(std::vector<at::Tensor> tensors, std::exception_ptr error)
-      : c10d::Work(-1, c10d::OpType::ALLREDUCE), tensors_(std::move(tensors)), error_(error) {
+  DoneWork(c10d::OpType type, std::vector<at::Tensor> tensors, std::exception_ptr error)
+      : c10d::Work(-1, type), tensors_(std::move(tensors)), error_(error) {
     future_ =
         c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
     if (error_) {
@@ -422,9 +501,7 @@ class SharedMemoryBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override {
     if (!supported(tensors, opts)) return gloo_->allreduce(tensors, opts);
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (failure_) return c10::make_intrusive<DoneWork>(tensors, failure_);
-    try {
+    return run(c10d::OpType::ALLREDUCE, tensors, [&] {
       at::Tensor& t = tensors.front();
       const bool average = opts.reduceOp.op_ == c10d::ReduceOp::AVG;
       const auto op = average ? c10d::ReduceOp::SUM : opts.reduceOp.op_;
@@ -436,20 +513,104 @@ class SharedMemoryBackend final : public c10d::Backend {
         t.copy_(dense);
       }
       if (average) t.div_(getSize());
-    } catch (const std::exception&) {
-      // The ranks are out of step now: every later allreduce fails alike.
-      failure_ = std::current_exception();
-      return c10::make_intrusive<DoneWork>(tensors, failure_);
+    });
+  }
+
+  // all_gather_into_tensor: `out` holds the ranks' `in` end to end. Any
+  // dtype (the bytes are copied); `in` may be out's own piece.
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
+                                                 const c10d::AllgatherOptions& o) override {
+    if (!on_cpu(out) || !on_cpu(in) || out.scalar_type() != in.scalar_type() ||
+        out.numel() != in.numel() * getSize()) {
+      return gloo_->_allgather_base(out, in, o);  // gloo's own error for wrong sizes
     }
-    return c10::make_intrusive<DoneWork>(tensors, nullptr);
+    std::vector<at::Tensor> tensors{out};
+    return run(c10d::OpType::_ALLGATHER_BASE, tensors, [&] {
+      if (in.numel() == 0) return;
+      const at::Tensor dst =
+          out.is_contiguous() ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
+      const at::Tensor own = dst.view(-1).narrow(0, getRank() * in.numel(), in.numel());
+      // In place when `in` is out's own piece; a copy when it lies elsewhere
+      // in out (or is strided), so no rank overwrites what it still sends.
+      const bool in_place = in.is_contiguous() && in.const_data_ptr() == own.const_data_ptr();
+      const at::Tensor src = in_place || (in.is_contiguous() && !overlap(in, dst))
+                                 ? in
+                                 : in.clone(at::MemoryFormat::Contiguous);
+      segment_->allgather(static_cast<const char*>(src.const_data_ptr()),
+                          static_cast<char*>(dst.data_ptr()), src.nbytes());
+      if (!dst.is_same(out)) out.copy_(dst);
+    });
+  }
+
+  // all_gather: one output tensor a rank, through one dense buffer.
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& out,
+                                           std::vector<at::Tensor>& in,
+                                           const c10d::AllgatherOptions& o) override {
+    bool ours = in.size() == 1 && out.size() == 1 && on_cpu(in[0]) &&
+                out[0].size() == static_cast<size_t>(getSize());
+    for (size_t r = 0; ours && r < out[0].size(); ++r) {
+      const at::Tensor& t = out[0][r];
+      ours = on_cpu(t) && t.scalar_type() == in[0].scalar_type() && t.sizes() == in[0].sizes();
+    }
+    if (!ours) return gloo_->allgather(out, in, o);
+    return run(c10d::OpType::ALLGATHER, out[0], [&] {
+      const int64_t n = in[0].numel();
+      at::Tensor all = at::empty({n * getSize()}, in[0].options());
+      const at::Tensor src = in[0].contiguous();
+      segment_->allgather(static_cast<const char*>(src.const_data_ptr()),
+                          static_cast<char*>(all.data_ptr()), src.nbytes());
+      for (int r = 0; r < getSize(); ++r) {
+        out[0][r].copy_(all.narrow(0, r * n, n).view(in[0].sizes()));
+      }
+    });
+  }
+
+  // reduce_scatter_tensor: `out` = piece `rank` of `in`, reduced over the
+  // ranks in rank order (the allreduce's bits). `out` may be in's own piece.
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions& o) override {
+    if (!on_cpu(out) || !on_cpu(in) || out.scalar_type() != in.scalar_type() ||
+        in.numel() != out.numel() * getSize() || !reducible(in.scalar_type(), o.reduceOp)) {
+      return gloo_->_reduce_scatter_base(out, in, o);
+    }
+    std::vector<at::Tensor> tensors{out};
+    return run(c10d::OpType::_REDUCE_SCATTER_BASE, tensors, [&] {
+      const bool average = o.reduceOp.op_ == c10d::ReduceOp::AVG;
+      const auto op = average ? c10d::ReduceOp::SUM : o.reduceOp.op_;
+      if (out.numel() > 0) {
+        const at::Tensor src = in.is_contiguous() ? in : in.contiguous();
+        const int64_t n = out.numel();
+        const at::Tensor own = src.view(-1).narrow(0, getRank() * n, n);
+        const bool in_place = out.is_contiguous() && out.const_data_ptr() == own.const_data_ptr();
+        const at::Tensor dst = in_place || (out.is_contiguous() && !overlap(out, src))
+                                   ? out
+                                   : at::empty({n}, out.options());
+        segment_->reduce_scatter(src, dst, op);
+        if (!dst.is_same(out)) out.copy_(dst.view(out.sizes()));
+      }
+      if (average) out.div_(getSize());
+    });
+  }
+
+  // broadcast: the root's tensor through its slot, a chunk at a time.
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& o) override {
+    if (tensors.size() != 1 || o.rootTensor != 0 || o.rootRank < 0 || o.rootRank >= getSize() ||
+        !on_cpu(tensors[0]) || !distinct_elements(tensors[0])) {
+      return gloo_->broadcast(tensors, o);
+    }
+    return run(c10d::OpType::BROADCAST, tensors, [&] {
+      at::Tensor& t = tensors.front();
+      if (t.numel() == 0) return;
+      const at::Tensor dense = t.is_contiguous() ? t : t.contiguous();
+      segment_->broadcast(static_cast<char*>(dense.data_ptr()), dense.nbytes(),
+                          static_cast<int>(o.rootRank));
+      if (!dense.is_same(t)) t.copy_(dense);
+    });
   }
 
   // Everything else is gloo's.
   void setTimeout(std::chrono::milliseconds timeout) override { gloo_->setTimeout(timeout); }
-  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& t,
-                                           const c10d::BroadcastOptions& o) override {
-    return gloo_->broadcast(t, o);
-  }
   c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& t,
                                                   const c10d::AllreduceOptions& o) override {
     return gloo_->allreduce_sparse(t, o);
@@ -461,15 +622,6 @@ class SharedMemoryBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& t,
                                         const c10d::ReduceOptions& o) override {
     return gloo_->reduce(t, o);
-  }
-  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& out,
-                                           std::vector<at::Tensor>& in,
-                                           const c10d::AllgatherOptions& o) override {
-    return gloo_->allgather(out, in, o);
-  }
-  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& out, at::Tensor& in,
-                                                 const c10d::AllgatherOptions& o) override {
-    return gloo_->_allgather_base(out, in, o);
   }
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& out,
                                                      std::vector<at::Tensor>& in,
@@ -495,10 +647,6 @@ class SharedMemoryBackend final : public c10d::Backend {
                                                 std::vector<std::vector<at::Tensor>>& in,
                                                 const c10d::ReduceScatterOptions& o) override {
     return gloo_->reduce_scatter(out, in, o);
-  }
-  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
-      at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions& o) override {
-    return gloo_->_reduce_scatter_base(out, in, o);
   }
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
       std::vector<at::Tensor>& out, std::vector<at::Tensor>& in,
@@ -536,11 +684,54 @@ class SharedMemoryBackend final : public c10d::Backend {
   void abort() override { gloo_->abort(); }
   void shutdown() override { gloo_->shutdown(); }
 
+  /// The collectives this backend has run through the segment, by kind.
+  std::map<std::string, int64_t> counts() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return counts_;
+  }
+
  private:
+  // torch.distributed's name for a collective the segment runs.
+  static const char* collective_name(c10d::OpType type) {
+    switch (type) {
+      case c10d::OpType::ALLREDUCE:
+        return "all_reduce";
+      case c10d::OpType::_ALLGATHER_BASE:
+        return "all_gather_into_tensor";
+      case c10d::OpType::ALLGATHER:
+        return "all_gather";
+      case c10d::OpType::_REDUCE_SCATTER_BASE:
+        return "reduce_scatter_tensor";
+      case c10d::OpType::BROADCAST:
+        return "broadcast";
+      default:
+        return "other";
+    }
+  }
+
+  // Runs one collective through the segment on the calling thread, one at
+  // a time. A failure leaves the ranks out of step: every later collective
+  // through the segment fails alike.
+  template <typename F>
+  c10::intrusive_ptr<c10d::Work> run(c10d::OpType type, const std::vector<at::Tensor>& tensors,
+                                     F&& collective) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!failure_) {
+      try {
+        ++counts_[collective_name(type)];
+        collective();
+      } catch (const std::exception&) {
+        failure_ = std::current_exception();
+      }
+    }
+    return c10::make_intrusive<DoneWork>(type, tensors, failure_);
+  }
+
   std::unique_ptr<Segment> segment_;
   c10::intrusive_ptr<c10d::Backend> gloo_;
   std::mutex mutex_;
   std::exception_ptr failure_;
+  std::map<std::string, int64_t> counts_;
 };
 
 // Creates (rank 0) or maps (the others) the segment named `name`; nullptr
@@ -669,14 +860,31 @@ c10::intrusive_ptr<c10d::Backend> make_shared_memory_backend(
                                                   std::move(fallback));
 }
 
-bool uses_shared_memory(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
-  if (!group || !group->hasBackends()) return false;
+namespace {
+
+// `group`'s CPU backend when it is the shared-memory one, else nullptr.
+c10::intrusive_ptr<SharedMemoryBackend> shared_memory_backend_of(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  if (!group || !group->hasBackends()) return {};
   try {
-    const auto backend = group->getBackend(c10::DeviceType::CPU);
-    return dynamic_cast<const SharedMemoryBackend*>(backend.get()) != nullptr;
+    auto backend = group->getBackend(c10::DeviceType::CPU);
+    if (dynamic_cast<SharedMemoryBackend*>(backend.get()) == nullptr) return {};
+    return c10::static_intrusive_pointer_cast<SharedMemoryBackend>(backend);
   } catch (const std::exception&) {
-    return false;
+    return {};
   }
+}
+
+}  // namespace
+
+bool uses_shared_memory(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  return shared_memory_backend_of(group).defined();
+}
+
+std::map<std::string, int64_t> shared_memory_collectives(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  const auto backend = shared_memory_backend_of(group);
+  return backend ? backend->counts() : std::map<std::string, int64_t>{};
 }
 
 }  // namespace fusetrain::dist

@@ -1,5 +1,6 @@
 #include <fusetrain/dist/zero.h>
 
+#include <fusetrain/dist/shared_memory.h>
 #include <fusetrain/ops/amp.h>
 #include <fusetrain/ops/optim.h>
 
@@ -25,6 +26,10 @@ void wait_for(const c10::intrusive_ptr<c10d::Work>& work, const char* what) {
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 }  // namespace
+
+bool gloo_collectives(const at::Tensor& t, const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  return !t.is_cuda() && !uses_shared_memory(group);
+}
 
 // ------------------------------------------------------------- BufferPool
 
@@ -208,7 +213,7 @@ void ShardedParameters::all_gather_params() {
     } else {
       fulls[b] = flat_[b];  // the slices are views of it: this rank's piece is in place
     }
-    if (gloo_collectives(head)) {
+    if (gloo_collectives(head, group_)) {
       for (int r = 0; r < layout_.world_size(); ++r) {
         std::vector<at::Tensor> t{fulls[b].narrow(0, r * piece, piece)};
         c10d::BroadcastOptions opts;

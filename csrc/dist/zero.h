@@ -33,6 +33,11 @@
 // (The allreduce's buffer is the padded bucket, so on 3 or more ranks gloo's
 // ring may add the ranks' values in another order than unsharded DDP's
 // allreduce of the unpadded bucket; on 2 ranks the one sum is the same.)
+// Ranks on one host whose group allreduces through shared memory (Note
+// [Shared-memory allreduce]) take the named collectives again, which that
+// backend runs in its segment: its reduce-scatter adds the ranks in rank
+// order as its allreduce does, so stage 2 has unsharded DDP's bits on any
+// number of ranks there.
 //
 // Everything here that reads values across ranks (norms, overflow flags,
 // state consolidation) is a collective on the group and is issued in the
@@ -55,8 +60,9 @@ namespace fusetrain::dist {
 /// pieces for float32, vector-width aligned for every dtype).
 inline constexpr int64_t kShardAlignment = 16;
 
-/// Whether collectives on `t` take the gloo forms of the note (CPU tensors).
-inline bool gloo_collectives(const at::Tensor& t) { return !t.is_cuda(); }
+/// Whether collectives on `t` over `group` take the gloo forms of the note:
+/// CPU tensors, unless the group's CPU backend is the shared-memory one.
+bool gloo_collectives(const at::Tensor& t, const c10::intrusive_ptr<c10d::ProcessGroup>& group);
 
 /// Flat buffers kept for reuse, at most `capacity` of them. On the CPU a
 /// fresh allocation of tens of MB faults in every page each time (glibc

@@ -188,6 +188,8 @@ PYBIND11_MODULE(_C, m) {
       py::call_guard<py::gil_scoped_release>());
   m.def("uses_shared_memory",
         [](const ProcessGroupPtr& group) { return dist::uses_shared_memory(group); });
+  m.def("shared_memory_collectives",
+        [](const ProcessGroupPtr& group) { return dist::shared_memory_collectives(group); });
   py::class_<dist::Reducer>(m, "Reducer")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        ProcessGroupPtr group, double bucket_cap_mb, double first_bucket_cap_mb,

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from . import _C
 
-__all__ = ["DistributedDataParallel", "uses_shared_memory"]
+__all__ = ["DistributedDataParallel", "uses_shared_memory", "shared_memory_collectives"]
 
 
 # ---------------------------------------------------------------- the "fusetrain" backend
@@ -66,12 +66,25 @@ def _create_fusetrain_backend(store, group_rank: int, group_size: int, timeout):
 
 
 def uses_shared_memory(group: Optional["dist.ProcessGroup"] = None) -> bool:
-    """Whether ``group``'s (default: the default group's) CPU allreduces go
+    """Whether ``group``'s (default: the default group's) CPU collectives go
     through shared memory: ``torch.distributed.init_process_group("fusetrain")``
     (or ``"cpu:fusetrain,cuda:nccl"``) with every rank on this host."""
     if group is None:
         group = dist.distributed_c10d._get_default_group()
     return _C.uses_shared_memory(group)
+
+
+def shared_memory_collectives(group: Optional["dist.ProcessGroup"] = None) -> Dict[str, int]:
+    """How many collectives of each kind ``group`` (default: the default
+    group) has run through shared memory, by torch.distributed's names:
+    ``all_reduce``, ``all_gather_into_tensor``, ``all_gather``,
+    ``reduce_scatter_tensor`` and ``broadcast`` of CPU tensors. Whatever went
+    to gloo (other collectives, other dtypes of a reduction, bitwise
+    reductions) is not counted; a group that does not use shared memory
+    gives ``{}``."""
+    if group is None:
+        group = dist.distributed_c10d._get_default_group()
+    return dict(_C.shared_memory_collectives(group))
 
 
 if dist.is_available() and "fusetrain" not in dist.Backend.backend_list:

@@ -47,6 +47,9 @@ def worker_main(argv, suites: Dict[str, List[Callable]], no_final_barrier=()) ->
     torch.set_num_threads(1)
     import torch.distributed as dist
 
+    if args.backend == "fusetrain":
+        import fusetrain.parallel  # noqa: F401 - registers the backend with torch.distributed
+
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = timedelta(seconds=PG_TIMEOUT_S)
     store = dist.TCPStore(

@@ -1,6 +1,7 @@
 """The torch.distributed backend "fusetrain" (Note [Shared-memory allreduce]
-in csrc/dist/shared_memory.h): gloo, with the allreduces of dense CPU tensors
-going through shared memory when every rank is on this host.
+in csrc/dist/shared_memory.h): gloo, with the allreduces, all-gathers,
+reduce-scatters and broadcasts of CPU tensors going through shared memory
+when every rank is on this host.
 
 Each rank checks every dtype and reduction against torch's own ops applied
 to all ranks' inputs in rank order (16-bit types in float32, rounded once),
@@ -23,7 +24,7 @@ from torch import nn
 import ddp_harness
 from ddp_harness import findings
 
-from fusetrain.parallel import DistributedDataParallel, uses_shared_memory
+from fusetrain.parallel import DistributedDataParallel, shared_memory_collectives, uses_shared_memory
 
 OPS = {
     "sum": (dist.ReduceOp.SUM, torch.add),
@@ -79,6 +80,102 @@ def sc_allreduce(pg, rank, world):
     return {"wrong": wrong, "strided_ok": strided_ok}
 
 
+def _reduced(world: int, n: int, dtype: torch.dtype, name: str, piece: slice = slice(None)):
+    """The ranks' inputs reduced in rank order as torch would (16-bit types
+    in float32, rounded once; AVG the rounded sum divided in place)."""
+    narrow = dtype in (torch.bfloat16, torch.float16)
+    fn = OPS[name][1]
+    acc = None
+    for r in range(world):
+        x = _input(r, n, dtype, name)[piece]
+        x = x.float() if narrow else x
+        acc = x if acc is None else fn(acc, x)
+    acc = acc.to(dtype)
+    return acc.div_(world) if name == "avg" else acc
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.dtype.is_floating_point:
+        return torch.equal(a, b)
+    return torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)) and torch.equal(a.isnan(), b.isnan())
+
+
+def sc_collectives(pg, rank, world):
+    """all_gather_into_tensor, all_gather, reduce_scatter_tensor and
+    broadcast against the inputs moved by hand, bit for bit, out of place and
+    in place, at sizes on both sides of a slot chunk; each call is counted as
+    a shared-memory one (not handed to gloo)."""
+    wrong, counted = [], []
+
+    def check(label, ok, kind, before):
+        if not ok:
+            wrong.append(label)
+        if shared_memory_collectives(pg).get(kind, 0) != before.get(kind, 0) + 1:
+            counted.append(label)
+
+    sizes = (1, 17, 4099, CHUNK_FLOATS // world + 17, CHUNK_FLOATS + 1000)
+    for dtype in DTYPES + [torch.bool, torch.uint8]:
+        for n in sizes:
+            mine = _input(rank, n, torch.float64, "sum").gt(0) if dtype == torch.bool else \
+                _input(rank, n, dtype if dtype != torch.uint8 else torch.int32, "sum").to(dtype)
+            every = [(_input(r, n, torch.float64, "sum").gt(0) if dtype == torch.bool else
+                      _input(r, n, dtype if dtype != torch.uint8 else torch.int32, "sum").to(dtype))
+                     for r in range(world)]
+            label = (str(dtype), n)
+            before = shared_memory_collectives(pg)
+            out = torch.empty(world * n, dtype=dtype)
+            dist.all_gather_into_tensor(out, mine, group=pg)
+            check(("all_gather_into_tensor",) + label, _same(out, torch.cat(every)),
+                  "all_gather_into_tensor", before)
+            # In place: the input is the output's own piece.
+            before = shared_memory_collectives(pg)
+            out = torch.zeros(world * n, dtype=dtype)
+            out[rank * n:(rank + 1) * n] = mine
+            dist.all_gather_into_tensor(out, out[rank * n:(rank + 1) * n], group=pg)
+            check(("all_gather_into_tensor in place",) + label, _same(out, torch.cat(every)),
+                  "all_gather_into_tensor", before)
+            before = shared_memory_collectives(pg)
+            outs = [torch.empty(n, dtype=dtype) for _ in range(world)]
+            dist.all_gather(outs, mine, group=pg)
+            check(("all_gather",) + label, all(_same(a, b) for a, b in zip(outs, every)), "all_gather", before)
+            for root in range(world):
+                before = shared_memory_collectives(pg)
+                t = mine.clone()
+                dist.broadcast(t, src=root, group=pg)
+                check(("broadcast", root) + label, _same(t, every[root]), "broadcast", before)
+    for dtype in DTYPES:
+        for name, (op, _) in OPS.items():
+            if name == "avg" and not dtype.is_floating_point:
+                continue
+            for n in sizes:
+                piece = slice(rank * n, (rank + 1) * n)
+                expected = _reduced(world, world * n, dtype, name, piece)
+                label = (str(dtype), name, n)
+                before = shared_memory_collectives(pg)
+                out = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter_tensor(out, _input(rank, world * n, dtype, name), op=op, group=pg)
+                check(("reduce_scatter_tensor",) + label, _same(out, expected), "reduce_scatter_tensor", before)
+                before = shared_memory_collectives(pg)
+                whole = _input(rank, world * n, dtype, name)
+                dist.reduce_scatter_tensor(whole[piece], whole, op=op, group=pg)
+                check(("reduce_scatter_tensor in place",) + label, _same(whole[piece], expected),
+                      "reduce_scatter_tensor", before)
+    # A strided broadcast: its own elements, the rest of its memory untouched.
+    before = shared_memory_collectives(pg)
+    base = torch.full((10,), float(rank + 1))
+    dist.broadcast(base[1::2], src=world - 1, group=pg)
+    check(("broadcast strided",), torch.equal(base[1::2], torch.full((5,), float(world))) and
+          torch.equal(base[::2], torch.full((5,), float(rank + 1))), "broadcast", before)
+    # A bitwise reduction is gloo's, and not counted.
+    before = shared_memory_collectives(pg)
+    t = torch.tensor([1 << rank] * 3, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.BOR, group=pg)
+    gloo_not_counted = shared_memory_collectives(pg) == before and torch.equal(t, torch.full((3,), (1 << world) - 1))
+    return {"wrong": wrong, "counted": counted, "gloo_not_counted": gloo_not_counted}
+
+
 def _net(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(7, 300), nn.Tanh(), nn.Linear(300, 41), nn.Tanh(), nn.Linear(41, 5))
@@ -106,7 +203,7 @@ def sc_ddp(pg, rank, world):
     return out
 
 
-SUITES = {"shm": [sc_allreduce, sc_ddp]}
+SUITES = {"shm": [sc_allreduce, sc_collectives, sc_ddp]}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["w2", "w3"])
@@ -122,6 +219,14 @@ def test_allreduce_every_dtype_and_op_bit_for_bit(shm):
     for rank, d in enumerate(findings(results, "allreduce")):
         assert d["wrong"] == [], f"rank {rank}: wrong results for {d['wrong'][:5]}"
         assert d["strided_ok"], f"rank {rank}: a strided view came back wrong"
+
+
+def test_gathers_scatters_and_broadcasts_bit_for_bit_through_the_segment(shm):
+    world, results = shm
+    for rank, d in enumerate(findings(results, "collectives")):
+        assert d["wrong"] == [], f"rank {rank}: wrong results for {d['wrong'][:5]}"
+        assert d["counted"] == [], f"rank {rank}: not run through shared memory: {d['counted'][:5]}"
+        assert d["gloo_not_counted"], f"rank {rank}: a bitwise allreduce was counted or came back wrong"
 
 
 def test_ddp_trains_as_over_gloo(shm):

@@ -585,6 +585,20 @@ def sc_nccl_world1(pg, rank, world):
     }
 
 
+def sc_shm_collectives(pg, rank, world):
+    """Which collectives stage 1 and 2 ran through the shared-memory
+    segment: the reduce-scatter and the all-gather, not gloo's forms."""
+    from fusetrain.parallel import shared_memory_collectives
+
+    counts = {}
+    for stage in (1, 2):
+        before = shared_memory_collectives(pg)
+        _train(pg, rank, world, stage=stage, steps=3)
+        after = shared_memory_collectives(pg)
+        counts[stage] = {k: after[k] - before.get(k, 0) for k in after}
+    return counts
+
+
 SUITES = {
     "core": [sc_fp32_adamw, sc_fp32_sgd, sc_bf16_master, sc_bf16_grads, sc_clipping, sc_no_sync, sc_scaler_skip,
              sc_bucket_view, sc_torch_ddp, sc_memory, sc_state_to_torch, sc_unsharded_into_sharded,
@@ -593,6 +607,7 @@ SUITES = {
     "save": [sc_save_for_resume],
     "resume": [sc_resume_other_world],
     "nccl": [sc_nccl_world1],
+    "shm": [sc_fp32_adamw, sc_bf16_master, sc_bf16_grads, sc_scaler_skip, sc_shm_collectives],
 }
 
 
@@ -748,6 +763,43 @@ def test_a_rank_that_owns_nothing_takes_the_same_path(core):
 def test_mismatched_shard_settings_fail_on_every_rank(core):
     for d in findings(core[1], "mismatched_settings"):
         assert d["raised"] and "shard_gradients" in d["message"], d
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def shm(request, tmp_path_factory):
+    """The same runs on the "fusetrain" backend (gloo with the shared-memory
+    collectives in front, Note [Shared-memory allreduce])."""
+    world = request.param
+    return world, launch(world, "shm", tmp_path_factory.mktemp(f"zero_shm_w{world}"), backend="fusetrain")
+
+
+def test_on_shared_memory_stages_1_and_2_have_unsharded_bits_on_any_world(shm):
+    """The segment's reduce-scatter adds the ranks in rank order, as its
+    allreduce does, so here even 3 ranks give unsharded DDP's bits: fp32,
+    bf16 with master weights, the reduced bf16 gradients themselves, and a
+    skipped step."""
+    world, results = shm
+    for name in ("fp32_adamw", "bf16_master", "scaler_skip"):
+        for rank, d in enumerate(findings(results, name)):
+            assert d["ref_moved"] > 1e-3, "the reference did not train"
+            for stage in (1, 2):
+                assert d[stage]["equal"], f"{name}, rank {rank}: stage {stage} differs by {d[stage]['max_diff']}"
+    for d in findings(results, "scaler_skip"):
+        for stage in (1, 2):
+            assert d[stage]["facts"]["skipped"] == d["ref_facts"]["skipped"]
+            assert any(d[stage]["facts"]["skipped"])
+    for d in findings(results, "bf16_grads"):
+        assert d["excess"] == 0.0, d
+
+
+def test_on_shared_memory_the_shards_move_through_the_segment(shm):
+    world, results = shm
+    steps = 3  # sc_shm_collectives
+    for rank, counts in enumerate(findings(results, "shm_collectives")):
+        assert counts[1].get("all_reduce", 0) >= steps, counts
+        assert counts[2].get("reduce_scatter_tensor", 0) >= steps, counts
+        for stage in (1, 2):
+            assert counts[stage].get("all_gather_into_tensor", 0) >= steps, counts
 
 
 def test_resume_with_another_world_size_and_stage(tmp_path, monkeypatch):
