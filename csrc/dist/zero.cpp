@@ -88,8 +88,8 @@ ShardLayout::ShardLayout(const std::vector<int64_t>& numels,
 }
 
 std::vector<ShardSlice> ShardLayout::slices_of(int rank) const {
-  TORCH_CHECK(rank >= 0 && rank < world_, "ShardLayout: rank ", rank, " is not in [0, ",
-              world_, ")");
+  TORCH_CHECK(rank >= 0 && rank < world_, "ShardLayout: rank ", rank, " is not in [0, ", world_,
+              ")");
   std::vector<ShardSlice> out;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const int64_t lo = rank * piece_numel_[b];
@@ -116,8 +116,8 @@ ShardedParameters::ShardedParameters(std::vector<at::Tensor> params,
   std::vector<int64_t> numels;
   for (size_t i = 0; i < params_.size(); ++i) {
     const at::Tensor& p = params_[i];
-    TORCH_CHECK(p.is_contiguous(), "ZeroRedundancyOptimizer: parameter ", i, " (shape ",
-                p.sizes(), ") is not contiguous; its shards are flat views of it. Make it "
+    TORCH_CHECK(p.is_contiguous(), "ZeroRedundancyOptimizer: parameter ", i, " (shape ", p.sizes(),
+                ") is not contiguous; its shards are flat views of it. Make it "
                 "contiguous (e.g. without channels_last) before constructing the optimizer");
     numels.push_back(p.numel());
   }
@@ -127,9 +127,9 @@ ShardedParameters::ShardedParameters(std::vector<at::Tensor> params,
       TORCH_CHECK(i < params_.size(), "ZeroRedundancyOptimizer: bucket index ", i,
                   " is out of range");
       const at::Tensor& head = params_[bucket.front()];
-      TORCH_CHECK(params_[i].scalar_type() == head.scalar_type() &&
-                      params_[i].device() == head.device(),
-                  "ZeroRedundancyOptimizer: a bucket mixes dtypes or devices (parameter ", i, ")");
+      TORCH_CHECK(
+          params_[i].scalar_type() == head.scalar_type() && params_[i].device() == head.device(),
+          "ZeroRedundancyOptimizer: a bucket mixes dtypes or devices (parameter ", i, ")");
     }
   }
   layout_ = ShardLayout(numels, std::move(buckets), group_->getSize());
@@ -139,8 +139,8 @@ ShardedParameters::ShardedParameters(std::vector<at::Tensor> params,
       const at::Tensor& head = params_[layout_.buckets()[b].front()];
       at::Tensor flat = at::zeros({layout_.piece_numel(b) * layout_.world_size()}, head.options());
       for (const size_t i : layout_.buckets()[b]) {
-        at::Tensor view = flat.narrow(0, layout_.offset_of(i), params_[i].numel())
-                              .view(params_[i].sizes());
+        at::Tensor view =
+            flat.narrow(0, layout_.offset_of(i), params_[i].numel()).view(params_[i].sizes());
         view.copy_(params_[i]);
         params_[i].set_data(view);  // the Parameter object stays; its storage moves
       }
@@ -174,14 +174,14 @@ std::vector<at::Tensor> ShardedParameters::grad_slices() const {
   return out;
 }
 
-std::vector<at::Tensor> ShardedParameters::slices_of_pieces(
-    const std::vector<at::Tensor>& pieces, const std::vector<bool>& has) const {
-  TORCH_CHECK(pieces.size() == layout_.buckets().size(), "ZeroRedundancyOptimizer: ",
-              pieces.size(), " gradient pieces for ", layout_.buckets().size(), " buckets");
+std::vector<at::Tensor> ShardedParameters::slices_of_pieces(const std::vector<at::Tensor>& pieces,
+                                                            const std::vector<bool>& has) const {
+  TORCH_CHECK(pieces.size() == layout_.buckets().size(), "ZeroRedundancyOptimizer: ", pieces.size(),
+              " gradient pieces for ", layout_.buckets().size(), " buckets");
   std::vector<at::Tensor> out;
   out.reserve(slices_.size());
-  TORCH_CHECK(has.empty() || has.size() == params_.size(), "ZeroRedundancyOptimizer: ",
-              has.size(), " gradient flags for ", params_.size(), " parameters");
+  TORCH_CHECK(has.empty() || has.size() == params_.size(), "ZeroRedundancyOptimizer: ", has.size(),
+              " gradient flags for ", params_.size(), " parameters");
   for (const ShardSlice& s : slices_) {
     if (!has.empty() && !has[s.param]) {
       out.emplace_back();
@@ -206,10 +206,16 @@ void ShardedParameters::all_gather_params() {
       pooled[b] = gather_buffers_.take(piece * layout_.world_size(), head.options());
       fulls[b] = pooled[b].narrow(0, 0, piece * layout_.world_size());
       at::Tensor mine = fulls[b].narrow(0, rank_ * piece, piece);
-      mine.zero_();
+      // The slices fill the piece in order; only what they leave (the
+      // bucket's padding) is zeroed, not the whole piece first.
+      int64_t filled = 0;
       for (; k < slices_.size() && slices_[k].bucket == b; ++k) {
-        mine.narrow(0, slices_[k].piece_offset, slices_[k].length).copy_(param_slices_[k]);
+        const ShardSlice& s = slices_[k];
+        if (s.piece_offset > filled) mine.narrow(0, filled, s.piece_offset - filled).zero_();
+        mine.narrow(0, s.piece_offset, s.length).copy_(param_slices_[k]);
+        filled = s.piece_offset + s.length;
       }
+      if (piece > filled) mine.narrow(0, filled, piece - filled).zero_();
     } else {
       fulls[b] = flat_[b];  // the slices are views of it: this rank's piece is in place
     }
@@ -233,9 +239,19 @@ void ShardedParameters::all_gather_params() {
     for (const auto& w : works[b]) wait_for(w, "the parameter all-gather");
     works[b].clear();
     if (flat_.empty()) {  // else the parameters are views of it
+      // The other ranks' pieces only: this rank's slices are views of the
+      // parameters, which the step has already updated.
+      const int64_t piece = layout_.piece_numel(b);
+      const int64_t own_lo = rank_ * piece, own_hi = own_lo + piece;
       for (const size_t i : layout_.buckets()[b]) {
-        params_[i].detach().view(-1).copy_(
-            fulls[b].narrow(0, layout_.offset_of(i), params_[i].numel()));
+        const int64_t lo = layout_.offset_of(i), hi = lo + params_[i].numel();
+        const at::Tensor flat = params_[i].detach().view(-1);
+        const auto unpack = [&](int64_t from, int64_t to) {
+          if (to > from)
+            flat.narrow(0, from - lo, to - from).copy_(fulls[b].narrow(0, from, to - from));
+        };
+        unpack(lo, std::min(hi, own_lo));
+        unpack(std::max(lo, own_hi), hi);
       }
     }
     fulls[b] = at::Tensor();
@@ -250,8 +266,8 @@ std::vector<at::Tensor> ShardedParameters::gather(const std::vector<at::Tensor>&
   at::NoGradGuard no_grad;
   const at::Device dev = device();
   // Which parameters any rank has a defined slice for.
-  at::Tensor defined = at::zeros({static_cast<int64_t>(params_.size())},
-                                 at::TensorOptions().dtype(at::kInt));
+  at::Tensor defined =
+      at::zeros({static_cast<int64_t>(params_.size())}, at::TensorOptions().dtype(at::kInt));
   for (size_t k = 0; k < slices_.size(); ++k) {
     if (per_slice[k].defined()) defined.data_ptr<int32_t>()[slices_[k].param] = 1;
   }
@@ -271,9 +287,9 @@ std::vector<at::Tensor> ShardedParameters::gather(const std::vector<at::Tensor>&
     at::Tensor send = at::zeros({layout_.piece_numel(b)}, opts);
     for (; k < slices_.size() && slices_[k].bucket == b; ++k) {
       if (per_slice[k].defined()) {
-        TORCH_CHECK(per_slice[k].numel() == slices_[k].length, "ZeroRedundancyOptimizer: ",
-                    "gather: slice ", k, " has ", per_slice[k].numel(), " elements, expected ",
-                    slices_[k].length);
+        TORCH_CHECK(per_slice[k].numel() == slices_[k].length,
+                    "ZeroRedundancyOptimizer: ", "gather: slice ", k, " has ", per_slice[k].numel(),
+                    " elements, expected ", slices_[k].length);
         send.narrow(0, slices_[k].piece_offset, slices_[k].length).copy_(per_slice[k].reshape(-1));
       }
     }
@@ -284,7 +300,8 @@ std::vector<at::Tensor> ShardedParameters::gather(const std::vector<at::Tensor>&
       if (defined.const_data_ptr<int32_t>()[i] == 0) continue;
       out[i] = full.narrow(0, layout_.offset_of(i), params_[i].numel())
                    .view(params_[i].sizes())
-                   .to(at::kCPU, /*non_blocking=*/false, /*copy=*/true);  // not a second copy on the device
+                   .to(at::kCPU, /*non_blocking=*/false,
+                       /*copy=*/true);  // not a second copy on the device
     }
   }
   return out;
