@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -64,6 +65,20 @@ constexpr size_t kLine = 64;
 constexpr auto kSpin = std::chrono::microseconds(20);
 constexpr auto kPeerCheck = std::chrono::milliseconds(100);
 
+// What a rank says it is running, at the first chunk of a collective, so
+// that a mismatched call fails on every rank instead of pairing barriers
+// of different collectives (gloo refuses mismatched sizes too).
+struct Call {
+  uint32_t kind = 0;  // c10d::OpType
+  int32_t root = -1;  // broadcast
+  int32_t dtype = -1;
+  int32_t op = -1;     // reductions
+  uint64_t bytes = 0;  // this rank's input
+  bool operator==(const Call& o) const {
+    return kind == o.kind && root == o.root && dtype == o.dtype && op == o.op && bytes == o.bytes;
+  }
+};
+
 struct alignas(kLine) Header {
   uint64_t magic;
   uint32_t world;
@@ -72,6 +87,7 @@ struct alignas(kLine) Header {
   alignas(kLine) std::atomic<uint32_t> arrived;   // barrier arrivals, all barriers so far
   alignas(kLine) std::atomic<uint32_t> sleepers;  // ranks asleep on `arrived`
   alignas(kLine) int32_t pids[kMaxWorld];
+  alignas(kLine) Call calls[2][kMaxWorld];  // by slot set, as the slots
 };
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "futex words must be plain 32-bit words");
 
@@ -304,6 +320,8 @@ class Segment {
 
   // An in-place allreduce of `t` (dense, supported dtype and op).
   void allreduce(const at::Tensor& t, c10d::ReduceOp::RedOpType op) {
+    const Busy busy(this);
+    const Call call = make_call(c10d::OpType::ALLREDUCE, t.nbytes(), t.scalar_type(), op);
     const size_t elem = t.element_size();
     const size_t total = static_cast<size_t>(t.numel());
     const size_t per_chunk = slot_bytes() / elem;
@@ -315,9 +333,11 @@ class Segment {
       const size_t n = std::min(per_chunk, total - done);
       const size_t share = round_up((n + world_ - 1) / world_, line_elems);
       const int set = next_set();
+      if (done == 0) announce(set, call);
       char* src = data + done * elem;
       std::memcpy(slot(set, rank_), src, n * elem);
       barrier();
+      if (done == 0) check(set, call);
       const size_t lo = std::min(n, share * rank_), hi = std::min(n, lo + share);
       if (hi > lo) {
         for (int r = 0; r < world_; ++r) sources[r] = slot(set, r) + lo * elem;
@@ -334,14 +354,19 @@ class Segment {
   // out = every rank's `in` (`bytes` each) end to end in rank order. `in`
   // may be this rank's place in `out` (in place), else apart from it. One
   // barrier a chunk: each rank copies its chunk in, then the others' out.
-  void allgather(const char* in, char* out, size_t bytes) {
+  void allgather(const char* in, char* out, size_t bytes, at::ScalarType dtype) {
+    if (bytes == 0) return;
+    const Busy busy(this);
+    const Call call = make_call(c10d::OpType::ALLGATHER, bytes, dtype);
     char* own = out + static_cast<size_t>(rank_) * bytes;
     if (in != own) std::memcpy(own, in, bytes);
     for (size_t done = 0; done < bytes; done += slot_bytes()) {
       const size_t n = std::min(slot_bytes(), bytes - done);
       const int set = next_set();
+      if (done == 0) announce(set, call);
       std::memcpy(slot(set, rank_), in + done, n);
       barrier();
+      if (done == 0) check(set, call);
       for (int r = 0; r < world_; ++r) {
         if (r != rank_) std::memcpy(out + r * bytes + done, slot(set, r), n);
       }
@@ -350,12 +375,18 @@ class Segment {
 
   // t = root's t (dense, `bytes`): the root copies a chunk in, the others
   // copy it out after one barrier.
-  void broadcast(char* t, size_t bytes, int root) {
+  void broadcast(char* t, size_t bytes, int root, at::ScalarType dtype) {
+    if (bytes == 0) return;
+    const Busy busy(this);
+    Call call = make_call(c10d::OpType::BROADCAST, bytes, dtype);
+    call.root = root;
     for (size_t done = 0; done < bytes; done += slot_bytes()) {
       const size_t n = std::min(slot_bytes(), bytes - done);
       const int set = next_set();
+      if (done == 0) announce(set, call);
       if (rank_ == root) std::memcpy(slot(set, root), t + done, n);
       barrier();
+      if (done == 0) check(set, call);
       if (rank_ != root) std::memcpy(t + done, slot(set, root), n);
     }
   }
@@ -367,6 +398,9 @@ class Segment {
   // rank copies in the others' sub-chunks and, after one barrier, reduces
   // its own from every slot (its own input read in place).
   void reduce_scatter(const at::Tensor& in, const at::Tensor& out, c10d::ReduceOp::RedOpType op) {
+    const Busy busy(this);
+    const Call call =
+        make_call(c10d::OpType::_REDUCE_SCATTER_BASE, in.nbytes(), in.scalar_type(), op);
     const size_t elem = in.element_size();
     const size_t n = static_cast<size_t>(out.numel());
     const size_t line_elems = kLine / elem;
@@ -377,6 +411,7 @@ class Segment {
     for (size_t done = 0; done < n; done += per_chunk) {
       const size_t m = std::min(per_chunk, n - done);
       const int set = next_set();
+      if (done == 0) announce(set, call);
       for (int q = 0; q < world_; ++q) {
         if (q != rank_) {
           std::memcpy(slot(set, rank_) + q * per_chunk * elem, data + (q * n + done) * elem,
@@ -384,6 +419,7 @@ class Segment {
         }
       }
       barrier();
+      if (done == 0) check(set, call);
       for (int r = 0; r < world_; ++r) {
         sources[r] =
             r == rank_ ? data + (rank_ * n + done) * elem : slot(set, r) + rank_ * per_chunk * elem;
@@ -392,7 +428,69 @@ class Segment {
     }
   }
 
+  /// Whether a collective stopped inside the segment (a barrier timed out,
+  /// a peer was lost, the calls did not match): then the ranks are out of
+  /// step, and no later collective can pair its barriers with theirs.
+  bool out_of_step() const { return busy_; }
+
  private:
+  // Marks a collective running in the segment; an exception out of it
+  // leaves busy_ set (out_of_step()).
+  struct Busy {
+    explicit Busy(Segment* s) : segment(s) { segment->busy_ = true; }
+    ~Busy() {
+      if (std::uncaught_exceptions() == 0) segment->busy_ = false;
+    }
+    Segment* segment;
+  };
+
+  Call make_call(c10d::OpType kind, size_t bytes, at::ScalarType dtype, int op = -1) const {
+    Call call;
+    call.kind = static_cast<uint32_t>(kind);
+    call.dtype = static_cast<int32_t>(dtype);
+    call.op = op;
+    call.bytes = bytes;
+    return call;
+  }
+
+  // Publishes this rank's call in slot set `set` (before the chunk's
+  // barrier; the set is not rewritten until every rank has read it, as the
+  // slots), and compares every rank's after it: a mismatch fails every rank.
+  void announce(int set, const Call& call) { header()->calls[set][rank_] = call; }
+  void check(int set, const Call& call) const {
+    for (int r = 0; r < world_; ++r) {
+      const Call& theirs = header()->calls[set][r];
+      TORCH_CHECK(theirs == call, "rank ", rank_,
+                  ": the shared-memory collectives of the ranks do ", "not match: this rank runs ",
+                  describe(call), ", rank ", r, " runs ", describe(theirs),
+                  ". Every rank must issue the same collectives in the same order, with the same "
+                  "sizes, dtypes, reductions and roots");
+    }
+  }
+  static const char* reduction_name(int op) {
+    switch (static_cast<c10d::ReduceOp::RedOpType>(op)) {
+      case c10d::ReduceOp::SUM:
+        return "sum";
+      case c10d::ReduceOp::PRODUCT:
+        return "product";
+      case c10d::ReduceOp::MIN:
+        return "min";
+      case c10d::ReduceOp::MAX:
+        return "max";
+      default:
+        return "other";
+    }
+  }
+  static std::string describe(const Call& call) {
+    std::ostringstream out;
+    out << c10d::opTypeToString(static_cast<c10d::OpType>(call.kind)) << " of " << call.bytes
+        << " bytes";
+    if (call.dtype >= 0) out << " of " << c10::toString(static_cast<at::ScalarType>(call.dtype));
+    if (call.op >= 0) out << ", reduction " << reduction_name(call.op);
+    if (call.root >= 0) out << ", root " << call.root;
+    return out.str();
+  }
+
   // The slot set of the next chunk. The sets alternate, so a rank writes
   // set s again only after the barrier of the chunk between, which every
   // rank reaches after it has read all it needs of set s: one barrier a
@@ -450,6 +548,7 @@ class Segment {
   int rank_, world_;
   std::chrono::milliseconds timeout_;
   uint64_t barriers_ = 0, chunks_ = 0;
+  bool busy_ = false;
 };
 
 // ---------------------------------------------------------------- the work
@@ -537,7 +636,7 @@ class SharedMemoryBackend final : public c10d::Backend {
                                  ? in
                                  : in.clone(at::MemoryFormat::Contiguous);
       segment_->allgather(static_cast<const char*>(src.const_data_ptr()),
-                          static_cast<char*>(dst.data_ptr()), src.nbytes());
+                          static_cast<char*>(dst.data_ptr()), src.nbytes(), src.scalar_type());
       if (!dst.is_same(out)) out.copy_(dst);
     });
   }
@@ -558,7 +657,7 @@ class SharedMemoryBackend final : public c10d::Backend {
       at::Tensor all = at::empty({n * getSize()}, in[0].options());
       const at::Tensor src = in[0].contiguous();
       segment_->allgather(static_cast<const char*>(src.const_data_ptr()),
-                          static_cast<char*>(all.data_ptr()), src.nbytes());
+                          static_cast<char*>(all.data_ptr()), src.nbytes(), src.scalar_type());
       for (int r = 0; r < getSize(); ++r) {
         out[0][r].copy_(all.narrow(0, r * n, n).view(in[0].sizes()));
       }
@@ -592,20 +691,25 @@ class SharedMemoryBackend final : public c10d::Backend {
     });
   }
 
-  // broadcast: the root's tensor through its slot, a chunk at a time.
+  // broadcast: the root's tensor through its slot, a chunk at a time. The
+  // path is chosen on what every rank shares (not on this rank's strides: an
+  // expanded tensor is a fine root); a receiver whose elements share memory
+  // gets the data in a dense buffer and then the error copy_ gives, with the
+  // ranks still in step.
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& o) override {
     if (tensors.size() != 1 || o.rootTensor != 0 || o.rootRank < 0 || o.rootRank >= getSize() ||
-        !on_cpu(tensors[0]) || !distinct_elements(tensors[0])) {
+        !on_cpu(tensors[0])) {
       return gloo_->broadcast(tensors, o);
     }
     return run(c10d::OpType::BROADCAST, tensors, [&] {
       at::Tensor& t = tensors.front();
       if (t.numel() == 0) return;
+      const bool root = getRank() == o.rootRank;
       const at::Tensor dense = t.is_contiguous() ? t : t.contiguous();
       segment_->broadcast(static_cast<char*>(dense.data_ptr()), dense.nbytes(),
-                          static_cast<int>(o.rootRank));
-      if (!dense.is_same(t)) t.copy_(dense);
+                          static_cast<int>(o.rootRank), dense.scalar_type());
+      if (!root && !dense.is_same(t)) t.copy_(dense);
     });
   }
 
@@ -686,7 +790,7 @@ class SharedMemoryBackend final : public c10d::Backend {
 
   /// The collectives this backend has run through the segment, by kind.
   std::map<std::string, int64_t> counts() {
-    std::lock_guard<std::mutex> lock(mutex_);
+    std::lock_guard<std::mutex> lock(counts_mutex_);
     return counts_;
   }
 
@@ -716,21 +820,28 @@ class SharedMemoryBackend final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> run(c10d::OpType type, const std::vector<at::Tensor>& tensors,
                                      F&& collective) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!failure_) {
-      try {
-        ++counts_[collective_name(type)];
-        collective();
-      } catch (const std::exception&) {
-        failure_ = std::current_exception();
-      }
+    if (failure_) return c10::make_intrusive<DoneWork>(type, tensors, failure_);
+    {
+      std::lock_guard<std::mutex> count_lock(counts_mutex_);
+      ++counts_[collective_name(type)];
     }
-    return c10::make_intrusive<DoneWork>(type, tensors, failure_);
+    try {
+      collective();
+    } catch (const std::exception&) {
+      // An error inside the segment leaves the ranks out of step: every
+      // later collective fails alike. One before or after it (allocating a
+      // buffer, copying into an output) is this call's alone.
+      if (segment_->out_of_step()) failure_ = std::current_exception();
+      return c10::make_intrusive<DoneWork>(type, tensors, std::current_exception());
+    }
+    return c10::make_intrusive<DoneWork>(type, tensors, nullptr);
   }
 
   std::unique_ptr<Segment> segment_;
   c10::intrusive_ptr<c10d::Backend> gloo_;
-  std::mutex mutex_;
+  std::mutex mutex_;  // one collective at a time
   std::exception_ptr failure_;
+  std::mutex counts_mutex_;  // not mutex_: reading the counts never waits on a collective
   std::map<std::string, int64_t> counts_;
 };
 

@@ -53,11 +53,20 @@ namespace fusetrain::dist {
 // would only take time from them. A barrier spins for a few microseconds,
 // then sleeps on a futex; a wait longer than the group's timeout, or a peer
 // process that has exited, fails this collective and every later one with
-// an error that names the rank. Strided views go through a dense copy (gloo
-// would reduce the first numel() elements of their memory instead). The
-// rest (other collectives, sparse, overlapping or several tensors, bitwise
-// reductions, AVG of integers, other dtypes of a reduction) goes to gloo, in
-// the caller's order as before.
+// an error that names the rank. At its first chunk each rank also writes
+// what it runs (collective, bytes, dtype, reduction, root) beside its slot
+// and, after the barrier, compares the others': calls that do not match
+// fail on every rank at once, naming both, where pairing the barriers of
+// different collectives would move wrong data silently. An error outside
+// the segment (allocating, copying into an output whose elements share
+// memory) fails that call alone: the ranks are still in step. Which path a
+// call takes depends only on what every rank of a correct program shares
+// (collective, dtype, sizes, op, root), never on one rank's strides or
+// pointers. Strided views go through a dense copy (gloo would reduce the
+// first numel() elements of their memory instead). The rest (other
+// collectives, sparse or several tensors, overlapping allreduce outputs,
+// bitwise reductions, AVG of integers, other dtypes of a reduction) goes to
+// gloo, in the caller's order as before.
 
 /// An identity of this host as the shared-memory allreduce sees it: equal
 /// for two processes exactly when they can share a segment (boot id and the

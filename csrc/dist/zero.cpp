@@ -194,6 +194,19 @@ std::vector<at::Tensor> ShardedParameters::slices_of_pieces(const std::vector<at
 
 void ShardedParameters::all_gather_params() {
   at::NoGradGuard no_grad;
+  // This rank's piece is not unpacked: its slices are views of the
+  // parameters (of the flat buckets with parameters_as_bucket_view), which
+  // the step updated. A parameter given new storage since (p.data = ...)
+  // would keep its old values there, so that is an error.
+  for (size_t k = 0; k < slices_.size(); ++k) {
+    const size_t i = slices_[k].param;
+    TORCH_CHECK(param_slices_[k].is_alias_of(params_[i]) &&
+                    (flat_.empty() || params_[i].is_alias_of(flat_[slices_[k].bucket])),
+                "ZeroRedundancyOptimizer: parameter ", i, " (shape ", params_[i].sizes(),
+                ") has new storage since the optimizer was made (e.g. p.data = ... or a move to "
+                "another device or dtype); its shard is a view of the old one. Make the optimizer "
+                "after moving or casting the model");
+  }
   const size_t nb = layout_.buckets().size();
   std::vector<at::Tensor> fulls(nb), pooled(nb);
   std::vector<std::vector<c10::intrusive_ptr<c10d::Work>>> works(nb);

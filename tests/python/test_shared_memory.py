@@ -176,6 +176,41 @@ def sc_collectives(pg, rank, world):
     return {"wrong": wrong, "counted": counted, "gloo_not_counted": gloo_not_counted}
 
 
+def sc_errors(pg, rank, world):
+    """Paths chosen alike on every rank, local errors kept local, and
+    mismatched calls failing every rank at once instead of hanging."""
+    out = {}
+    # An expanded root tensor is a fine source (the path must not depend on
+    # this rank's strides, or the root would go to gloo and the rest wait).
+    t = torch.full((1,), 7.0).expand(1000) if rank == 0 else torch.zeros(1000)
+    dist.broadcast(t, src=0, group=pg)
+    out["expanded_root"] = bool(torch.equal(t, torch.full((1000,), 7.0)))
+    # A receiver whose elements share memory fails alone, after the data
+    # moved; the ranks stay in step.
+    t = torch.zeros(1).expand(1000) if rank == world - 1 else torch.ones(1000)
+    try:
+        dist.broadcast(t, src=0, group=pg)
+        out["expanded_receiver_error"] = None
+    except RuntimeError as e:
+        out["expanded_receiver_error"] = str(e)
+    s = torch.ones(5)
+    dist.all_reduce(s, group=pg)
+    out["in_step_after_local_error"] = bool(torch.equal(s, torch.full((5,), float(world))))
+    # Mismatched sizes: every rank raises, naming the mismatch; then every
+    # later collective fails at once too.
+    try:
+        dist.broadcast(torch.zeros(10 + rank), src=0, group=pg)
+        out["mismatch_error"] = None
+    except RuntimeError as e:
+        out["mismatch_error"] = str(e)
+    try:
+        dist.all_reduce(torch.ones(3), group=pg)
+        out["after_mismatch_error"] = None
+    except RuntimeError as e:
+        out["after_mismatch_error"] = str(e)
+    return out
+
+
 def _net(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(7, 300), nn.Tanh(), nn.Linear(300, 41), nn.Tanh(), nn.Linear(41, 5))
@@ -203,7 +238,7 @@ def sc_ddp(pg, rank, world):
     return out
 
 
-SUITES = {"shm": [sc_allreduce, sc_collectives, sc_ddp]}
+SUITES = {"shm": [sc_allreduce, sc_collectives, sc_ddp, sc_errors]}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["w2", "w3"])
@@ -227,6 +262,19 @@ def test_gathers_scatters_and_broadcasts_bit_for_bit_through_the_segment(shm):
         assert d["wrong"] == [], f"rank {rank}: wrong results for {d['wrong'][:5]}"
         assert d["counted"] == [], f"rank {rank}: not run through shared memory: {d['counted'][:5]}"
         assert d["gloo_not_counted"], f"rank {rank}: a bitwise allreduce was counted or came back wrong"
+
+
+def test_paths_agree_local_errors_stay_local_and_mismatches_fail_every_rank(shm):
+    world, results = shm
+    for rank, d in enumerate(findings(results, "errors")):
+        assert d["expanded_root"], f"rank {rank}: the expanded root's data did not arrive"
+        if rank == world - 1:
+            assert d["expanded_receiver_error"] is not None, "an expanded receiver was written"
+        else:
+            assert d["expanded_receiver_error"] is None, d["expanded_receiver_error"]
+        assert d["in_step_after_local_error"], f"rank {rank}: a local error broke the group"
+        assert d["mismatch_error"] is not None and "do not match" in d["mismatch_error"], d["mismatch_error"]
+        assert d["after_mismatch_error"] is not None, f"rank {rank}: the group went on after a mismatch"
 
 
 def test_ddp_trains_as_over_gloo(shm):
