@@ -147,6 +147,7 @@ ShardedParameters::ShardedParameters(std::vector<at::Tensor> params,
       flat_.push_back(std::move(flat));
     }
   }
+  for (const at::Tensor& p : params_) storages_.push_back(p.storage());
   slices_ = layout_.slices_of(rank_);
   for (const ShardSlice& s : slices_) {
     param_slices_.push_back(params_[s.param].detach().view(-1).narrow(0, s.begin, s.length));
@@ -197,11 +198,10 @@ void ShardedParameters::all_gather_params() {
   // This rank's piece is not unpacked: its slices are views of the
   // parameters (of the flat buckets with parameters_as_bucket_view), which
   // the step updated. A parameter given new storage since (p.data = ...)
-  // would keep its old values there, so that is an error.
-  for (size_t k = 0; k < slices_.size(); ++k) {
-    const size_t i = slices_[k].param;
-    TORCH_CHECK(param_slices_[k].is_alias_of(params_[i]) &&
-                    (flat_.empty() || params_[i].is_alias_of(flat_[slices_[k].bucket])),
+  // would keep its old values there: an error, raised on every rank (each
+  // checks every parameter) before any collective.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    TORCH_CHECK(params_[i].storage().unsafeGetStorageImpl() == storages_[i].unsafeGetStorageImpl(),
                 "ZeroRedundancyOptimizer: parameter ", i, " (shape ", params_[i].sizes(),
                 ") has new storage since the optimizer was made (e.g. p.data = ... or a move to "
                 "another device or dtype); its shard is a view of the old one. Make the optimizer "

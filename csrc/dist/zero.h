@@ -181,6 +181,9 @@ class ShardedParameters {
   ShardLayout layout_;
   std::vector<ShardSlice> slices_;
   std::vector<at::Tensor> param_slices_;
+  // Each parameter's storage when the layout was made: the slices and the
+  // unpack rely on it (all_gather_params checks it on every rank).
+  std::vector<c10::Storage> storages_;
   std::vector<at::Tensor> flat_;  // per bucket, with parameters_as_bucket_view
   BufferPool gather_buffers_{2};  // the all-gather's, without it
 };

@@ -461,6 +461,21 @@ def sc_review_cases(pg, rank, world):
     return out
 
 
+def sc_new_storage(pg, rank, world):
+    """A parameter given new storage after the optimizer was made (p.data =
+    ...): its shard would be a view of the old storage, so the step raises,
+    naming the parameter, on every rank (none waits in a collective)."""
+    model, opt, _ = _train(pg, rank, world, stage=1, steps=1)
+    model.fc2.weight.data = model.fc2.weight.data.clone()
+    x, y = _batch(0, 4 * world)
+    F.mse_loss(model(_shard(x, rank, world)), _shard(y, rank, world)).backward()
+    try:
+        opt.step()
+        return None
+    except RuntimeError as e:
+        return str(e)
+
+
 def _model_never():
     torch.manual_seed(0)
     return WithUnusedAndScalar().never.weight.detach()
@@ -603,7 +618,7 @@ SUITES = {
     "core": [sc_fp32_adamw, sc_fp32_sgd, sc_bf16_master, sc_bf16_grads, sc_clipping, sc_no_sync, sc_scaler_skip,
              sc_bucket_view, sc_torch_ddp, sc_memory, sc_state_to_torch, sc_unsharded_into_sharded,
              sc_lr_scheduler, sc_torch_optimizer, sc_add_param_group, sc_review_cases,
-             sc_rank_without_elements, sc_mismatched_settings],
+             sc_rank_without_elements, sc_mismatched_settings, sc_new_storage],
     "save": [sc_save_for_resume],
     "resume": [sc_resume_other_world],
     "nccl": [sc_nccl_world1],
@@ -749,6 +764,11 @@ def test_accumulation_unused_layer_and_0dim_parameter(core):
         for stage in (1, 2):
             assert d[stage]["never_moved"] == 0.0, (stage, d[stage])
             assert d[stage]["diff4"] <= FP32_TOL and d[stage]["diff8"] <= FP32_TOL, (stage, d[stage])
+
+
+def test_a_parameter_with_new_storage_is_an_error_on_every_rank(core):
+    for error in findings(core[1], "new_storage"):
+        assert error is not None and "new storage" in error and "parameter 2" in error, error
 
 
 def test_a_rank_that_owns_nothing_takes_the_same_path(core):
