@@ -24,7 +24,11 @@ AdamW lr 1e-3 (default betas, eps, weight decay 1e-2). Seven configurations:
 5. ``torch DDP + AdamW``: torch's unsharded baseline (torch's default AdamW);
 6. and 7. stage 1 and 2 with ``parameters_as_bucket_view=True`` (stage 1 also
    with DDP's ``gradient_as_bucket_view``): the all-gather lands in the
-   parameters, no pack and unpack copies.
+   parameters, no pack and unpack copies;
+8. and 9. the same with ``overlap_all_gather=True``: ``step`` returns with
+   the all-gathers in flight and each layer's forward waits for its own
+   bucket (on gloo; on fusetrain's group the collectives run on the calling
+   thread, so there is nothing to overlap).
 
 Method: two passes, each in its own worker processes (this file with
 ``--worker NAME --rank R``) that rendezvous on a TCPStore this process hosts
@@ -46,11 +50,14 @@ b. Interleaved (``--worker interleaved``): one pair of workers holds all the
    configurations at once, each with its own model (same seed, so the same
    initial weights), its own DDP (fusetrain's and torch's coexist in one
    process, as in bench_ddp.py) and its own optimizer, all on the default
-   process group (each step finishes its collectives before it returns, and
-   both ranks issue them in the same order, so they can share it). Every
-   iteration runs one step of every configuration, in an order rotated by one
-   each iteration (with 28 timed iterations and 7 configurations each one is
-   first, second, ... exactly 4 times); 3 warm-up iterations, then 28 timed.
+   process group (both ranks issue their collectives in the same order, so
+   they can share it). Every iteration visits every configuration, in an
+   order rotated by one each iteration; a visit is a barrier, then two steps
+   of that configuration, the second one timed (so an overlapped all-gather
+   is waited for by the next step's forward, as in training, and not hidden
+   behind the other configurations' steps); 3 warm-up iterations, then 28
+   timed. The isolated pass waits for an overlapped all-gather inside the
+   step (no credit for the overlap).
    A load change on the machine now hits every configuration alike, within
    ~1.5 s, so the ratios ("vs ft DDP", "vs torch ZeRO") and the goal checks
    come from this pass's medians; the table's min-max is its spread.
@@ -126,13 +133,15 @@ CONFIGS = {
     "stage2": "stage 2 (shard_gradients + ft ZeRO)",
     "stage1_view": "stage 1, parameters_as_bucket_view",
     "stage2_view": "stage 2, parameters_as_bucket_view",
+    "stage1_overlap": "stage 1, bucket view, overlap_all_gather",
+    "stage2_overlap": "stage 2, bucket view, overlap_all_gather",
     "torch_zero": "torch DDP + torch ZeRO (AdamW)",
     "torch_ddp": "torch DDP + AdamW",
 }
 BASELINE = "ft_ddp"
 BACKENDS = {"gloo": "gloo (loopback)", "fusetrain": "fusetrain (gloo + shared memory)"}
-FUSETRAIN_CONFIGS = ("ft_ddp", "stage1", "stage2", "stage1_view", "stage2_view")
-SHARDED = ("stage1", "stage2", "stage1_view", "stage2_view")
+FUSETRAIN_CONFIGS = ("ft_ddp", "stage1", "stage2", "stage1_view", "stage2_view", "stage1_overlap", "stage2_overlap")
+SHARDED = ("stage1", "stage2", "stage1_view", "stage2_view", "stage1_overlap", "stage2_overlap")
 
 
 def build_model():
@@ -172,14 +181,15 @@ def _make(config: str, model):
         import fusetrain.optim
         import fusetrain.parallel
 
+        view = config.endswith(("_view", "_overlap"))
         ddp = fusetrain.parallel.DistributedDataParallel(
-            model, shard_gradients=config.startswith("stage2"), gradient_as_bucket_view=config == "stage1_view")
+            model, shard_gradients=config.startswith("stage2"), gradient_as_bucket_view=view and config.startswith("stage1"))
         if config == "ft_ddp":
             opt = fusetrain.optim.FusedAdamW(model.parameters(), lr=LR)
             return ddp, opt, opt
         opt = fusetrain.optim.ZeroRedundancyOptimizer(
             model.parameters(), optimizer_class=fusetrain.optim.FusedAdamW, lr=LR,
-            parameters_as_bucket_view=config.endswith("_view"),
+            parameters_as_bucket_view=view, overlap_all_gather=config.endswith("_overlap"),
         )
         return ddp, opt, opt.optim
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -248,6 +258,11 @@ def worker(args) -> None:
         loss = F.cross_entropy(ddp(x), y)
         loss.backward()
         opt.step()
+        # Alone, one step after a barrier: the all-gather is waited for here
+        # (the isolated pass gives overlap_all_gather no credit; the
+        # interleaved pass measures it).
+        if hasattr(opt, "finish_all_gather"):
+            opt.finish_all_gather()
         return loss
 
     for k in range(args.warmup):
@@ -297,7 +312,7 @@ def interleaved_worker(args) -> None:
     rank = args.rank
     configs = args.only or list(CONFIGS)
     steps = args.warmup + args.steps
-    batches = _batches(rank, steps)
+    batches = _batches(rank, 2 * steps)
     made = {}
     for config in configs:  # the same order on both ranks: the constructors are collectives
         torch.manual_seed(0)
@@ -324,9 +339,15 @@ def interleaved_worker(args) -> None:
         if k >= args.warmup:
             orders.append(order)
         for config in order:
+            # Two steps a visit, the second timed, no barrier between them: a
+            # step's forward then waits only for its predecessor's pending
+            # all-gather (overlap_all_gather), as in training, not for
+            # communication the other configurations' steps would have hidden.
+            # (A barrier would wait for it: gloo's waits for all prior work.)
             dist.barrier()
+            step(config, 2 * k)
             t0 = time.perf_counter()
-            loss = step(config, k)
+            loss = step(config, 2 * k + 1)
             dt = time.perf_counter() - t0
             if k >= args.warmup:
                 times[config].append(dt)

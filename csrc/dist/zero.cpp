@@ -148,6 +148,16 @@ ShardedParameters::ShardedParameters(std::vector<at::Tensor> params,
     }
   }
   for (const at::Tensor& p : params_) storages_.push_back(p.storage());
+  // The buckets in the order the parameters come (the forward's order for
+  // most modules), whatever order the bucketing made (the reducer's runs
+  // backward).
+  for (size_t b = 0; b < layout_.buckets().size(); ++b) gather_order_.push_back(b);
+  const auto first = [&](size_t b) {
+    const auto& idx = layout_.buckets()[b];
+    return *std::min_element(idx.begin(), idx.end());
+  };
+  std::stable_sort(gather_order_.begin(), gather_order_.end(),
+                   [&](size_t a, size_t b) { return first(a) < first(b); });
   slices_ = layout_.slices_of(rank_);
   for (const ShardSlice& s : slices_) {
     param_slices_.push_back(params_[s.param].detach().view(-1).narrow(0, s.begin, s.length));
@@ -193,8 +203,7 @@ std::vector<at::Tensor> ShardedParameters::slices_of_pieces(const std::vector<at
   return out;
 }
 
-void ShardedParameters::all_gather_params() {
-  at::NoGradGuard no_grad;
+void ShardedParameters::check_storages() const {
   // This rank's piece is not unpacked: its slices are views of the
   // parameters (of the flat buckets with parameters_as_bucket_view), which
   // the step updated. A parameter given new storage since (p.data = ...)
@@ -207,6 +216,64 @@ void ShardedParameters::all_gather_params() {
                 "another device or dtype); its shard is a view of the old one. Make the optimizer "
                 "after moving or casting the model");
   }
+}
+
+std::vector<c10::intrusive_ptr<c10d::Work>> ShardedParameters::gather_in_place(size_t b) {
+  const at::Tensor& full = flat_[b];
+  const int64_t piece = layout_.piece_numel(b);
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  if (gloo_collectives(full, group_)) {
+    for (int r = 0; r < layout_.world_size(); ++r) {
+      std::vector<at::Tensor> t{full.narrow(0, r * piece, piece)};
+      c10d::BroadcastOptions opts;
+      opts.rootRank = r;
+      works.push_back(group_->broadcast(t, opts));
+    }
+  } else {
+    at::Tensor out = full;
+    at::Tensor mine = full.narrow(0, rank_ * piece, piece);  // in place, as NCCL allows
+    works.push_back(group_->_allgather_base(out, mine));
+  }
+  return works;
+}
+
+void ShardedParameters::start_all_gather() {
+  TORCH_CHECK(
+      !flat_.empty() || layout_.buckets().empty(),
+      "ZeroRedundancyOptimizer: overlapping the all-gather with the next forward needs "
+      "parameters_as_bucket_view=True (the all-gather then writes the parameters in place)");
+  finish_all_gather();
+  check_storages();
+  at::NoGradGuard no_grad;
+  pending_.assign(layout_.buckets().size(), {});
+  for (const size_t b : gather_order_) pending_[b] = gather_in_place(b);
+}
+
+void ShardedParameters::finish_bucket(size_t b) {
+  TORCH_CHECK(b < layout_.buckets().size(), "ZeroRedundancyOptimizer: bucket ", b,
+              " is out of range");
+  if (pending_.empty()) return;
+  for (const auto& w : pending_[b]) wait_for(w, "the parameter all-gather");
+  pending_[b].clear();
+}
+
+void ShardedParameters::finish_all_gather() {
+  // In the order they were issued: on gloo a later broadcast may wait on an
+  // earlier one.
+  for (const size_t b : gather_order_) {
+    if (!pending_.empty()) finish_bucket(b);
+  }
+  pending_.clear();
+}
+
+bool ShardedParameters::all_gather_pending() const {
+  return std::any_of(pending_.begin(), pending_.end(), [](const auto& w) { return !w.empty(); });
+}
+
+void ShardedParameters::all_gather_params() {
+  finish_all_gather();
+  check_storages();
+  at::NoGradGuard no_grad;
   const size_t nb = layout_.buckets().size();
   std::vector<at::Tensor> fulls(nb), pooled(nb);
   std::vector<std::vector<c10::intrusive_ptr<c10d::Work>>> works(nb);

@@ -46,6 +46,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <cstdint>
 #include <vector>
@@ -154,6 +155,23 @@ class ShardedParameters {
   /// all issued before the first is unpacked.
   void all_gather_params();
 
+  /// Note [Overlapped all-gather]: with parameters_as_bucket_view, issues
+  /// every bucket's all-gather into the parameters (in the order the
+  /// parameters come: buckets holding earlier parameters first) and returns
+  /// without waiting. Bucket b's parameters hold every rank's update only
+  /// after finish_bucket(b) or finish_all_gather(); until then the other
+  /// ranks' pieces may be half written. A forward that finishes each bucket
+  /// just before it reads the bucket's parameters overlaps the rest of the
+  /// communication (on CUDA, finish only orders the current stream after
+  /// the collective). A pending all-gather is finished first by the next
+  /// start_all_gather() and all_gather_params().
+  void start_all_gather();
+  /// Waits for bucket b's all-gather; nothing when it is not pending.
+  void finish_bucket(size_t b);
+  /// Waits for every pending all-gather.
+  void finish_all_gather();
+  bool all_gather_pending() const;
+
   /// Full tensors, one per parameter (its shape, `dtype`, on the CPU),
   /// from every rank's `per_slice` tensors (this rank's, in slices() order;
   /// an undefined one counts as zeros). Returned on rank `to` (on every rank
@@ -174,6 +192,9 @@ class ShardedParameters {
 
  private:
   at::Device device() const;
+  void check_storages() const;
+  // Issues bucket b's all-gather into flat_[b].
+  std::vector<c10::intrusive_ptr<c10d::Work>> gather_in_place(size_t b);
 
   std::vector<at::Tensor> params_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
@@ -184,6 +205,8 @@ class ShardedParameters {
   // Each parameter's storage when the layout was made: the slices and the
   // unpack rely on it (all_gather_params checks it on every rank).
   std::vector<c10::Storage> storages_;
+  std::vector<size_t> gather_order_;  // buckets by their first parameter
+  std::vector<std::vector<c10::intrusive_ptr<c10d::Work>>> pending_;  // per bucket, when started
   std::vector<at::Tensor> flat_;  // per bucket, with parameters_as_bucket_view
   BufferPool gather_buffers_{2};  // the all-gather's, without it
 };

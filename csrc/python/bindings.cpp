@@ -325,6 +325,13 @@ PYBIND11_MODULE(_C, m) {
            py::arg("pieces"), py::arg("has") = std::vector<bool>{})
       .def("all_gather_params", &dist::ShardedParameters::all_gather_params,
            py::call_guard<py::gil_scoped_release>())
+      .def("start_all_gather", &dist::ShardedParameters::start_all_gather,
+           py::call_guard<py::gil_scoped_release>())
+      .def("finish_bucket", &dist::ShardedParameters::finish_bucket, py::arg("bucket"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("finish_all_gather", &dist::ShardedParameters::finish_all_gather,
+           py::call_guard<py::gil_scoped_release>())
+      .def("all_gather_pending", &dist::ShardedParameters::all_gather_pending)
       .def("gather",
            [](const dist::ShardedParameters& s, const std::vector<std::optional<at::Tensor>>& t,
               at::ScalarType dtype, int to) {

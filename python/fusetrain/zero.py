@@ -77,6 +77,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
       whatever the world size it was saved with.
     - ``overlap_with_ddp=True`` (torch's DDP communication-hook protocol) is
       not supported: stage 2 overlaps the reduction with backward instead.
+    - ``overlap_all_gather=True`` (keyword; needs
+      ``parameters_as_bucket_view=True``): ``step`` issues the all-gathers of
+      the updated parameters and returns; each module's forward first waits
+      for the buckets holding its own parameters, so the communication of
+      later buckets overlaps the forward of earlier layers (Note [Overlapped
+      all-gather] in csrc/dist/zero.h). A parameter read outside its own
+      module's forward before then (a checkpoint saved right after ``step``,
+      a weight used functionally by another module) needs
+      ``finish_all_gather()`` first; ``step``, ``consolidate_state_dict``,
+      ``load_state_dict`` and ``add_param_group`` call it themselves.
     - Not ``Joinable``: uneven inputs (``DistributedDataParallel.join``) are
       refused with ``shard_gradients`` and unsupported in stage 1 (a joined
       rank would miss the all-gathers).
@@ -97,6 +107,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         process_group: Optional[Any] = None,
         parameters_as_bucket_view: bool = False,
         overlap_with_ddp: bool = False,
+        *,
+        overlap_all_gather: bool = False,
         **defaults: Any,
     ):
         if overlap_with_ddp:
@@ -104,6 +116,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 "ZeroRedundancyOptimizer: overlap_with_ddp=True is torch's DDP-hook protocol, which "
                 "fusetrain does not implement; use fusetrain.parallel.DistributedDataParallel("
                 "shard_gradients=True), which overlaps the gradient reduce-scatter with backward"
+            )
+        if overlap_all_gather and not parameters_as_bucket_view:
+            raise ValueError(
+                "ZeroRedundancyOptimizer: overlap_all_gather=True needs parameters_as_bucket_view=True "
+                "(the all-gather then writes the parameters in place while the forward runs)"
             )
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
@@ -121,6 +138,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.global_rank = dist.get_rank(self.process_group)
         self.world_size = dist.get_world_size(self.process_group)
         self.parameters_as_bucket_view = parameters_as_bucket_view
+        self.overlap_all_gather = overlap_all_gather
+        self._pending: set = set()  # buckets whose all-gather is in flight
+        self._forward_hook = None
         super().__init__(params, self._optim_defaults)
         self._all_state_dicts: Optional[dict] = None
         #: Total gradient norm of the latest step (a device tensor) with max_grad_norm.
@@ -174,6 +194,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._shards = _C.ShardedParameters(
             layout_params, buckets, self.process_group, parameters_as_bucket_view=self.parameters_as_bucket_view
         )
+        self._bucket_of = {id(layout_params[i]): b for b, idx in enumerate(buckets) for i in idx}
         # The slices: their parameter's index in param_groups order and group.
         index_of = {id(p): i for i, p in enumerate(params)}
         group_of = {id(p): gi for gi, g in enumerate(self.param_groups) for p in g["params"]}
@@ -248,6 +269,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def step(self, closure=None, **kwargs):
         """The local optimizer's step over this rank's slices, then one
         all-gather per bucket of the updated parameters. A collective."""
+        self.finish_all_gather()  # the step writes this rank's slices, which the gathers read
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -272,8 +294,39 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             view.grad = None
         if self._ddp is not None:  # consumed: the next backward overwrites the pieces
             self._ddp.reducer.zero_grad_pieces()
-        self._shards.all_gather_params()
+        if self.overlap_all_gather:
+            self._shards.start_all_gather()
+            self._pending = set(range(len(self._shards.piece_numels())))
+            if self._pending and self._forward_hook is None:
+                self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
+        else:
+            self._shards.all_gather_params()
         return loss
+
+    def _before_forward(self, module: torch.nn.Module, args: Any) -> None:
+        """Every module's forward pre-hook while all-gathers are in flight:
+        waits for the buckets of the module's own parameters."""
+        for p in module._parameters.values():
+            b = self._bucket_of.get(id(p)) if p is not None else None
+            if b in self._pending:
+                self._shards.finish_bucket(b)
+                self._pending.discard(b)
+        if not self._pending:
+            self._remove_forward_hook()
+
+    def _remove_forward_hook(self) -> None:
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
+
+    def finish_all_gather(self) -> None:
+        """Waits for the all-gathers ``step`` left in flight with
+        ``overlap_all_gather=True`` (nothing otherwise): every parameter then
+        holds every rank's update."""
+        if self._pending:
+            self._shards.finish_all_gather()
+            self._pending = set()
+        self._remove_forward_hook()
 
     def _clip(self, grads, grad_scale):
         """Folded clipping from the global norm of the gradient shards: a
@@ -364,6 +417,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gathers the unsharded optimizer state on rank ``to`` (then
         ``state_dict()`` there). A collective: call it on every rank."""
+        self.finish_all_gather()
         self._sync_param_groups()
         state = self._gather_state(to)
         self._all_state_dicts = None if state is None else {"state": state, "param_groups": self._param_groups_state()}
@@ -382,6 +436,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         """Loads an unsharded state (this optimizer's ``state_dict()``, or
         that of ``optimizer_class`` unsharded, saved with any world size):
         each rank keeps its slices. Call it on every rank."""
+        self.finish_all_gather()
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
@@ -442,6 +497,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if not getattr(self, "_ready", False):
             super().add_param_group(param_group)
             return
+        self.finish_all_gather()
         if self._ddp is not None:
             raise ValueError(
                 "ZeroRedundancyOptimizer.add_param_group: with shard_gradients the layout is the "

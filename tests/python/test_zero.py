@@ -461,6 +461,71 @@ def sc_review_cases(pg, rank, world):
     return out
 
 
+def sc_overlap(pg, rank, world):
+    """overlap_all_gather=True (bucket views): the same parameters as the
+    synchronous all-gather after every step, stage 1 and 2; step returns
+    with the gathers in flight, each module's forward finds its own
+    parameters complete (checked against the synchronous run in a pre-hook
+    that runs after the optimizer's), and the forward leaves none pending."""
+    import fusetrain.optim as fo
+    import fusetrain.zero
+    from fusetrain.parallel import DistributedDataParallel as DDP
+
+    fusetrain.zero._BUCKET_CAP_BYTES = SMALL_BUCKETS
+    out = {}
+    for stage in (1, 2):
+        runs = {}
+        for overlap in (False, True):
+            model = _model()
+            ddp = DDP(model, process_group=pg, shard_gradients=stage == 2, bucket_cap_mb=0.02)
+            opt = fo.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=fo.FusedAdamW, process_group=pg,
+                                             parameters_as_bucket_view=True, overlap_all_gather=overlap, lr=1e-2)
+            names = {id(p): n for n, p in model.named_parameters()}
+            reference = runs[False]["per_step"] if overlap else None
+            now = {"step": 0}
+            facts = {"pending_after_step": [], "pending_after_forward": [], "checked": 0, "stale": 0}
+
+            def check(module, args):
+                # Registered after the optimizer's global hook, so it runs
+                # after it: the module's own parameters must hold the
+                # synchronous run's values after the previous step.
+                if reference is None or now["step"] == 0:
+                    return
+                for p in module.parameters(recurse=False):
+                    facts["checked"] += 1
+                    if not torch.equal(p.detach(), reference[now["step"] - 1][names[id(p)]]):
+                        facts["stale"] += 1
+
+            handles = [m.register_forward_pre_hook(check) for m in model.modules()]
+            per_step = []
+            for step in range(6):
+                now["step"] = step
+                opt.zero_grad()
+                x, y = _batch(step, 4 * world)
+                pred = ddp(_shard(x, rank, world))
+                facts["pending_after_forward"].append(opt._shards.all_gather_pending())
+                F.mse_loss(pred, _shard(y, rank, world)).backward()
+                opt.step()
+                facts["pending_after_step"].append(opt._shards.all_gather_pending())
+                if not overlap:
+                    per_step.append({n: p.detach().clone() for n, p in model.named_parameters()})
+            opt.finish_all_gather()
+            for h in handles:
+                h.remove()
+            runs[overlap] = {"per_step": per_step, "final": _flat(model.parameters()), "facts": facts}
+        out[stage] = {
+            "equal": bool(torch.equal(runs[False]["final"], runs[True]["final"])),
+            "facts": runs[True]["facts"],
+            "sync_facts": runs[False]["facts"],
+        }
+    try:
+        fo.ZeroRedundancyOptimizer(_model().parameters(), process_group=pg, overlap_all_gather=True)
+        out["refused_without_view"] = None
+    except ValueError as e:
+        out["refused_without_view"] = str(e)
+    return out
+
+
 def sc_new_storage(pg, rank, world):
     """A parameter given new storage after the optimizer was made (p.data =
     ...): its shard would be a view of the old storage, so the step raises,
@@ -618,11 +683,11 @@ SUITES = {
     "core": [sc_fp32_adamw, sc_fp32_sgd, sc_bf16_master, sc_bf16_grads, sc_clipping, sc_no_sync, sc_scaler_skip,
              sc_bucket_view, sc_torch_ddp, sc_memory, sc_state_to_torch, sc_unsharded_into_sharded,
              sc_lr_scheduler, sc_torch_optimizer, sc_add_param_group, sc_review_cases,
-             sc_rank_without_elements, sc_mismatched_settings, sc_new_storage],
+             sc_rank_without_elements, sc_mismatched_settings, sc_new_storage, sc_overlap],
     "save": [sc_save_for_resume],
     "resume": [sc_resume_other_world],
     "nccl": [sc_nccl_world1],
-    "shm": [sc_fp32_adamw, sc_bf16_master, sc_bf16_grads, sc_scaler_skip, sc_shm_collectives],
+    "shm": [sc_fp32_adamw, sc_bf16_master, sc_bf16_grads, sc_scaler_skip, sc_shm_collectives, sc_overlap],
 }
 
 
@@ -764,6 +829,26 @@ def test_accumulation_unused_layer_and_0dim_parameter(core):
         for stage in (1, 2):
             assert d[stage]["never_moved"] == 0.0, (stage, d[stage])
             assert d[stage]["diff4"] <= FP32_TOL and d[stage]["diff8"] <= FP32_TOL, (stage, d[stage])
+
+
+def _check_overlap(results):
+    for rank, d in enumerate(findings(results, "overlap")):
+        for stage in (1, 2):
+            facts = d[stage]["facts"]
+            assert d[stage]["equal"], f"rank {rank}, stage {stage}: overlapped parameters differ"
+            assert all(facts["pending_after_step"]), f"stage {stage}: step waited for the all-gather"
+            assert not any(facts["pending_after_forward"]), f"stage {stage}: the forward left gathers pending"
+            assert facts["checked"] > 0 and facts["stale"] == 0, (stage, facts)
+            assert not any(d[stage]["sync_facts"]["pending_after_step"])
+        assert "parameters_as_bucket_view" in (d["refused_without_view"] or "")
+
+
+def test_overlapped_all_gather_equals_the_synchronous_one(core):
+    _check_overlap(core[1])
+
+
+def test_overlapped_all_gather_on_shared_memory(shm):
+    _check_overlap(shm[1])
 
 
 def test_a_parameter_with_new_storage_is_an_error_on_every_rank(core):
