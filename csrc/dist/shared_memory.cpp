@@ -298,6 +298,24 @@ bool overlap(const at::Tensor& a, const at::Tensor& b) {
   return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
 }
 
+// torch.distributed's name for a collective the segment runs.
+const char* collective_name(c10d::OpType type) {
+  switch (type) {
+    case c10d::OpType::ALLREDUCE:
+      return "all_reduce";
+    case c10d::OpType::_ALLGATHER_BASE:
+      return "all_gather_into_tensor";
+    case c10d::OpType::ALLGATHER:
+      return "all_gather";
+    case c10d::OpType::_REDUCE_SCATTER_BASE:
+      return "reduce_scatter_tensor";
+    case c10d::OpType::BROADCAST:
+      return "broadcast";
+    default:
+      return "other";
+  }
+}
+
 // ------------------------------------------------------------- the segment
 
 class Segment {
@@ -483,7 +501,7 @@ class Segment {
   }
   static std::string describe(const Call& call) {
     std::ostringstream out;
-    out << c10d::opTypeToString(static_cast<c10d::OpType>(call.kind)) << " of " << call.bytes
+    out << collective_name(static_cast<c10d::OpType>(call.kind)) << " of " << call.bytes
         << " bytes";
     if (call.dtype >= 0) out << " of " << c10::toString(static_cast<at::ScalarType>(call.dtype));
     if (call.op >= 0) out << ", reduction " << reduction_name(call.op);
@@ -795,24 +813,6 @@ class SharedMemoryBackend final : public c10d::Backend {
   }
 
  private:
-  // torch.distributed's name for a collective the segment runs.
-  static const char* collective_name(c10d::OpType type) {
-    switch (type) {
-      case c10d::OpType::ALLREDUCE:
-        return "all_reduce";
-      case c10d::OpType::_ALLGATHER_BASE:
-        return "all_gather_into_tensor";
-      case c10d::OpType::ALLGATHER:
-        return "all_gather";
-      case c10d::OpType::_REDUCE_SCATTER_BASE:
-        return "reduce_scatter_tensor";
-      case c10d::OpType::BROADCAST:
-        return "broadcast";
-      default:
-        return "other";
-    }
-  }
-
   // Runs one collective through the segment on the calling thread, one at
   // a time. A failure leaves the ranks out of step: every later collective
   // through the segment fails alike.
