@@ -298,7 +298,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
             self._shards.start_all_gather()
             self._pending = set(range(len(self._shards.piece_numels())))
             if self._pending and self._forward_hook is None:
-                self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
+                # A weak reference: the process-wide hook must not keep an
+                # optimizer alive that its user has dropped.
+                me = weakref.ref(self)
+
+                def hook(module, args):
+                    opt = me()
+                    if opt is not None:
+                        opt._before_forward(module, args)
+
+                self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(hook)
         else:
             self._shards.all_gather_params()
         return loss
@@ -318,6 +327,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None
+
+    def __del__(self) -> None:
+        hook = getattr(self, "_forward_hook", None)
+        if hook is not None:
+            hook.remove()
 
     def finish_all_gather(self) -> None:
         """Waits for the all-gathers ``step`` left in flight with

@@ -518,6 +518,25 @@ def sc_overlap(pg, rank, world):
             "facts": runs[True]["facts"],
             "sync_facts": runs[False]["facts"],
         }
+    # The process-wide forward hook lives while gathers are pending, and
+    # goes with an optimizer its user drops.
+    import gc
+
+    from torch.nn.modules import module as nn_module
+
+    before = len(nn_module._global_forward_pre_hooks)
+    model = _model()
+    opt = fo.ZeroRedundancyOptimizer(model.parameters(), process_group=pg, parameters_as_bucket_view=True,
+                                     overlap_all_gather=True, lr=1e-2)
+    x, y = _batch(0, 4 * world)
+    F.mse_loss(model(_shard(x, rank, world)), _shard(y, rank, world)).backward()
+    opt.step()
+    hooked = len(nn_module._global_forward_pre_hooks) - before
+    opt.finish_all_gather()  # (a collective's wait: every rank, before the drop)
+    opt.step()
+    del opt
+    gc.collect()
+    out["hooks"] = (hooked, len(nn_module._global_forward_pre_hooks) - before)
     try:
         fo.ZeroRedundancyOptimizer(_model().parameters(), process_group=pg, overlap_all_gather=True)
         out["refused_without_view"] = None
@@ -841,6 +860,7 @@ def _check_overlap(results):
             assert facts["checked"] > 0 and facts["stale"] == 0, (stage, facts)
             assert not any(d[stage]["sync_facts"]["pending_after_step"])
         assert "parameters_as_bucket_view" in (d["refused_without_view"] or "")
+        assert d["hooks"] == (1, 0), d["hooks"]
 
 
 def test_overlapped_all_gather_equals_the_synchronous_one(core):
