@@ -610,7 +610,7 @@ class SharedMemoryBackend final : public c10d::Backend {
                       c10::intrusive_ptr<c10d::Backend> gloo)
       : c10d::Backend(rank, size), segment_(std::move(segment)), gloo_(std::move(gloo)) {}
 
-  // "gloo": every collective but the dense allreduces is gloo's, and code
+  // "gloo": every collective the segment does not take is gloo's, and code
   // that asks the group's backend name means which transport it speaks.
   const std::string getBackendName() const override { return gloo_->getBackendName(); }
   c10::intrusive_ptr<Options> getBackendOptions() override { return gloo_->getBackendOptions(); }

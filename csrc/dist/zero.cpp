@@ -218,9 +218,8 @@ void ShardedParameters::check_storages() const {
   }
 }
 
-std::vector<c10::intrusive_ptr<c10d::Work>> ShardedParameters::gather_in_place(size_t b) {
-  const at::Tensor& full = flat_[b];
-  const int64_t piece = layout_.piece_numel(b);
+std::vector<c10::intrusive_ptr<c10d::Work>> ShardedParameters::gather_into(at::Tensor full,
+                                                                           int64_t piece) {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   if (gloo_collectives(full, group_)) {
     for (int r = 0; r < layout_.world_size(); ++r) {
@@ -230,9 +229,8 @@ std::vector<c10::intrusive_ptr<c10d::Work>> ShardedParameters::gather_in_place(s
       works.push_back(group_->broadcast(t, opts));
     }
   } else {
-    at::Tensor out = full;
     at::Tensor mine = full.narrow(0, rank_ * piece, piece);  // in place, as NCCL allows
-    works.push_back(group_->_allgather_base(out, mine));
+    works.push_back(group_->_allgather_base(full, mine));
   }
   return works;
 }
@@ -246,7 +244,7 @@ void ShardedParameters::start_all_gather() {
   check_storages();
   at::NoGradGuard no_grad;
   pending_.assign(layout_.buckets().size(), {});
-  for (const size_t b : gather_order_) pending_[b] = gather_in_place(b);
+  for (const size_t b : gather_order_) pending_[b] = gather_into(flat_[b], layout_.piece_numel(b));
 }
 
 void ShardedParameters::finish_bucket(size_t b) {
@@ -258,11 +256,10 @@ void ShardedParameters::finish_bucket(size_t b) {
 }
 
 void ShardedParameters::finish_all_gather() {
+  if (pending_.empty()) return;
   // In the order they were issued: on gloo a later broadcast may wait on an
   // earlier one.
-  for (const size_t b : gather_order_) {
-    if (!pending_.empty()) finish_bucket(b);
-  }
+  for (const size_t b : gather_order_) finish_bucket(b);
   pending_.clear();
 }
 
@@ -299,17 +296,7 @@ void ShardedParameters::all_gather_params() {
     } else {
       fulls[b] = flat_[b];  // the slices are views of it: this rank's piece is in place
     }
-    if (gloo_collectives(head, group_)) {
-      for (int r = 0; r < layout_.world_size(); ++r) {
-        std::vector<at::Tensor> t{fulls[b].narrow(0, r * piece, piece)};
-        c10d::BroadcastOptions opts;
-        opts.rootRank = r;
-        works[b].push_back(group_->broadcast(t, opts));
-      }
-    } else {
-      at::Tensor mine = fulls[b].narrow(0, rank_ * piece, piece);  // in place, as NCCL allows
-      works[b].push_back(group_->_allgather_base(fulls[b], mine));
-    }
+    works[b] = gather_into(fulls[b], piece);
   };
   // Bucket b + 1 is on the wire while bucket b is unpacked, and at most two
   // gather buffers are alive: never a second copy of all the parameters.

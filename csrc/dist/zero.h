@@ -193,8 +193,10 @@ class ShardedParameters {
  private:
   at::Device device() const;
   void check_storages() const;
-  // Issues bucket b's all-gather into flat_[b].
-  std::vector<c10::intrusive_ptr<c10d::Work>> gather_in_place(size_t b);
+  // Issues the all-gather of a bucket laid out in `full` (world pieces of
+  // `piece` elements, this rank's in place): N broadcasts in the gloo form
+  // of the note, else one all_gather_into_tensor.
+  std::vector<c10::intrusive_ptr<c10d::Work>> gather_into(at::Tensor full, int64_t piece);
 
   std::vector<at::Tensor> params_;
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
