@@ -185,6 +185,10 @@ const std::vector<KeySpec>& config_schema() {
           "cnn, resnet: batch norm + ReLU as one fused op forward and backward on the CPU "
           "(fusetrain::nn::batch_norm_relu; same parameters and checkpoints); torch's ops when "
           "false"),
+      key("model.fused_max_pool", K::kBool, "true",
+          "cnn: each 2x2 max pooling through fusetrain's window op on the CPU (a byte per "
+          "window instead of int64 indices, no zero-fill or layout copies backward; the same "
+          "values and gradients bit for bit); torch's max_pool2d when false"),
       key("model.hidden", K::kIntList, "128",
           "mlp: hidden layer sizes; cnn: fully connected layers before the head", {}, 1, 65536),
       key("model.dropout", K::kFloat, "0", "dropout before the head (mlp, cnn) and in gpt", {},

@@ -5,6 +5,7 @@
 
 #include <fusetrain/amp/float8_linear.h>
 #include <fusetrain/nn/batch_norm.h>
+#include <fusetrain/nn/max_pool.h>
 
 #include <torch/nn.h>
 
@@ -54,6 +55,10 @@ at::Tensor batch_norm_act(nn::BatchNorm2dImpl& bn, const at::Tensor& x, bool rel
 
 at::Tensor ModelImpl::batch_norm(nn::BatchNorm2dImpl& bn, const at::Tensor& x, bool relu) const {
   return batch_norm_act(bn, x, relu, fused_batch_norm_);
+}
+
+at::Tensor ModelImpl::max_pool(nn::MaxPool2dImpl& pool, const at::Tensor& x) const {
+  return fused_max_pool_ ? fusetrain::nn::max_pool2d(pool, x) : pool.forward(x);
 }
 
 std::vector<int64_t> cnn_convs_per_block(const Config& config) {
@@ -147,6 +152,7 @@ class CnnImpl : public ModelImpl {
     register_module("classifier", classifier_);
     make_head(n, d.num_classes, c.get_bool("precision.float32_head"));
     set_fused_batch_norm(c.get_bool("model.fused_batch_norm"));
+    set_fused_max_pool(c.get_bool("model.fused_max_pool"));
   }
   at::Tensor forward(const at::Tensor& x) override {
     return apply_head(classifier_->forward(forward_features(as_input(x))));
@@ -154,10 +160,15 @@ class CnnImpl : public ModelImpl {
 
  private:
   // features_->forward(x), with each BatchNorm2d + ReLU pair through
-  // batch_norm(): the ReLU module stays in the Sequential, so the layers keep
-  // their indices (features.N.*) in checkpoints.
+  // batch_norm() and each MaxPool2d through max_pool(): the ReLU module stays
+  // in the Sequential, so the layers keep their indices (features.N.*) in
+  // checkpoints.
   at::Tensor forward_features(at::Tensor x) {
     for (auto it = features_->begin(); it != features_->end(); ++it) {
+      if (auto* pool = it->ptr()->as<nn::MaxPool2dImpl>()) {
+        x = max_pool(*pool, x);
+        continue;
+      }
       auto* bn = it->ptr()->as<nn::BatchNorm2dImpl>();
       if (bn == nullptr) {
         x = it->forward(x);

@@ -43,6 +43,10 @@ class ModelImpl : public torch::nn::Module {
   /// the CPU; torch's ops where off. Same parameters, buffers and names.
   /// `fusetrain export` turns it off: the traced module is plain torch.
   void set_fused_batch_norm(bool fused) { fused_batch_norm_ = fused; }
+  /// model.fused_max_pool: each max pooling over non-overlapping windows runs
+  /// as fusetrain::nn::max_pool2d (Note [Window max pool]): the same values
+  /// and gradients bit for bit, with fewer passes on the CPU. Off for export.
+  void set_fused_max_pool(bool fused) { fused_max_pool_ = fused; }
 
  protected:
   /// x as the first layer takes it: channels_last under use_channels_last().
@@ -53,10 +57,13 @@ class ModelImpl : public torch::nn::Module {
   /// bn(x), then a ReLU when `relu`: fused or torch's (set_fused_batch_norm).
   at::Tensor batch_norm(torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x, bool relu) const;
   bool fused_batch_norm() const { return fused_batch_norm_; }
+  /// pool(x): fusetrain's window max pool or the module (set_fused_max_pool).
+  at::Tensor max_pool(torch::nn::MaxPool2dImpl& pool, const at::Tensor& x) const;
 
  private:
   bool channels_last_ = false;
   bool fused_batch_norm_ = false;
+  bool fused_max_pool_ = false;
   torch::nn::Linear head_{nullptr};
   std::shared_ptr<amp::Float32Impl<torch::nn::Linear>> head32_;
 };

@@ -361,6 +361,7 @@ std::string export_traced_torchscript(const std::string& checkpoint, const std::
   Model model = make_model(config, shapes);
   load_model(ckpt, checkpoint, model);
   model->set_fused_batch_norm(false);  // the trace must hold torch's ops only
+  model->set_fused_max_pool(false);
   model->to(at::kFloat);  // master-weight runs keep 16-bit layers; the export is float32
   model->eval();
 

@@ -5,6 +5,7 @@
 #include <fusetrain/ops/checks.h>
 #include <fusetrain/ops/cross_entropy.h>
 #include <fusetrain/ops/generic.h>
+#include <fusetrain/ops/max_pool.h>
 #include <fusetrain/ops/optim.h>
 
 #include <torch/library.h>
@@ -416,6 +417,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_relu_backward(
   return {grad_input, grad_weight, grad_bias};
 }
 
+namespace {
+
+// A window's first row and column in the input plane, per output row
+// ([OH, 1]) and column ([1, OW]), as int64 of `like`'s device.
+std::pair<at::Tensor, at::Tensor> window_origins(int64_t oh, int64_t ow, int64_t kh, int64_t kw,
+                                                 const at::Tensor& like) {
+  const auto opts = like.options().dtype(at::kLong);
+  return {at::arange(oh, opts).mul_(kh).view({oh, 1}), at::arange(ow, opts).mul_(kw).view({1, ow})};
+}
+
+}  // namespace
+
+// torch's max_pool2d_with_indices, its flat indices (h * W + w) turned into
+// positions in the window, and back for the backward.
+std::tuple<at::Tensor, at::Tensor> max_pool2d(const at::Tensor& input, at::IntArrayRef kernel_size) {
+  const auto [oh, ow] = check_max_pool2d_args(input, kernel_size);
+  const int64_t kh = kernel_size[0], kw = kernel_size.size() == 2 ? kernel_size[1] : kh;
+  auto [out, indices] = at::max_pool2d_with_indices(input, {kh, kw}, {kh, kw});
+  const auto [row0, col0] = window_origins(oh, ow, kh, kw, indices);
+  const int64_t w = input.size(3);
+  const at::Tensor i = indices.div(w, "floor").sub_(row0);
+  const at::Tensor j = indices.remainder(w).sub_(col0);
+  return {out, i.mul_(kw).add_(j).to(at::kByte)};
+}
+
+at::Tensor max_pool2d_backward(const at::Tensor& grad_out, const at::Tensor& input,
+                               const at::Tensor& argmax, at::IntArrayRef kernel_size) {
+  check_max_pool2d_backward_args(grad_out, input, argmax, kernel_size);
+  const auto [oh, ow] = check_max_pool2d_args(input, kernel_size);
+  const int64_t kh = kernel_size[0], kw = kernel_size.size() == 2 ? kernel_size[1] : kh;
+  const auto [row0, col0] = window_origins(oh, ow, kh, kw, argmax);
+  const at::Tensor pos = argmax.to(at::kLong);
+  const at::Tensor indices = pos.div(kw, "floor").add_(row0).mul_(input.size(3)).add_(
+      pos.remainder(kw).add_(col0));
+  return at::max_pool2d_with_indices_backward(grad_out, input, {kh, kw}, {kh, kw}, {0, 0}, {1, 1},
+                                              false, indices);
+}
+
 }  // namespace fusetrain::ops::generic
 
 // Every backend without a kernel of its own (Note [Device-generic ops]).
@@ -428,6 +467,8 @@ TORCH_LIBRARY_IMPL(fusetrain, CompositeExplicitAutograd, m) {
   m.impl("multi_tensor_l2norm", &g::multi_tensor_l2norm);
   m.impl("softmax_cross_entropy_forward", &g::softmax_cross_entropy_forward);
   m.impl("softmax_cross_entropy_backward", &g::softmax_cross_entropy_backward);
+  m.impl("max_pool2d", &g::max_pool2d);
+  m.impl("max_pool2d_backward", &g::max_pool2d_backward);
   m.impl("batch_norm_relu", &g::batch_norm_relu);
   m.impl("batch_norm_relu_backward", &g::batch_norm_relu_backward);
 }

@@ -94,4 +94,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_relu_backward(
     const std::optional<at::Tensor>& weight, const at::Tensor& save_mean,
     const at::Tensor& save_invstd, bool training, bool relu, std::array<bool, 3> output_mask);
 
+std::tuple<at::Tensor, at::Tensor> max_pool2d(const at::Tensor& input, at::IntArrayRef kernel_size);
+
+at::Tensor max_pool2d_backward(const at::Tensor& grad_out, const at::Tensor& input,
+                               const at::Tensor& argmax, at::IntArrayRef kernel_size);
+
 }  // namespace fusetrain::ops::generic

@@ -54,6 +54,16 @@ TORCH_LIBRARY(fusetrain, m) {
       "softmax_cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, "
       "Tensor lse, int ignore_index, float label_smoothing, str reduction) -> Tensor");
 
+  // Max pooling over non-overlapping windows (stride = kernel_size, no
+  // padding, floor mode) of [N, C, H, W]: out (the input's dtype and memory
+  // format) and each maximum's position in its window, row-major, as uint8
+  // (ops/max_pool.h).
+  m.def("max_pool2d(Tensor input, int[2] kernel_size) -> (Tensor out, Tensor argmax)");
+  // Its gradient with respect to the input; `input` gives shape and layout.
+  m.def(
+      "max_pool2d_backward(Tensor grad_out, Tensor input, Tensor argmax, int[2] kernel_size) "
+      "-> Tensor");
+
   // Batch normalisation over every dimension but 1, then max(0, y) when
   // `relu`, fp32 math; running statistics (when given) updated in training.
   // Returns out (the input's dtype and memory format) and the float32 [C]

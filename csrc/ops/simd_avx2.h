@@ -59,6 +59,27 @@ inline void store(c10::Half* p, F x) {
                    _mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+// Lanes that each hold a value of T exactly (loaded from T): float and fp16
+// as store(), bf16 by truncation instead of rounding, so that a NaN keeps its
+// bits (store() canonicalises it, as c10's conversion does).
+inline void store_bits(float* p, F x) { store(p, x); }
+inline void store_bits(c10::Half* p, F x) { store(p, x); }
+inline void store_bits(c10::BFloat16* p, F x) {
+  const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(x.v), 16);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+// kLanes bytes as floats, and back (lanes holding integers in [0, 255]).
+inline F load_u8(const uint8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
+}
+inline void store_u8(uint8_t* p, F x) {
+  const __m256i i = _mm256_cvttps_epi32(x.v);
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_packus_epi16(w, w));
+}
+
 inline F operator+(F a, F b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline F operator-(F a, F b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline F operator*(F a, F b) { return {_mm256_mul_ps(a.v, b.v)}; }

@@ -58,6 +58,24 @@ inline void store(c10::Half* p, F x) {
                       _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+// Lanes that each hold a value of T exactly (loaded from T): float and fp16
+// as store(), bf16 by truncation instead of rounding, so that a NaN keeps its
+// bits (store() canonicalises it, as c10's conversion does).
+inline void store_bits(float* p, F x) { store(p, x); }
+inline void store_bits(c10::Half* p, F x) { store(p, x); }
+inline void store_bits(c10::BFloat16* p, F x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x.v), 16)));
+}
+
+// kLanes bytes as floats, and back (lanes holding integers in [0, 255]).
+inline F load_u8(const uint8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+inline void store_u8(uint8_t* p, F x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(x.v)));
+}
+
 inline F operator+(F a, F b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline F operator-(F a, F b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline F operator*(F a, F b) { return {_mm512_mul_ps(a.v, b.v)}; }

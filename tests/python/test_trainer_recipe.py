@@ -324,6 +324,26 @@ def test_fused_batch_norm_is_the_same_model(tmp_path):
     assert all(abs(x - y) <= 3e-2 * abs(y) for x, y in zip(la, lb)), (la, lb)
 
 
+def test_fused_max_pool_trains_the_same_bits(tmp_path):
+    """model.fused_max_pool runs each 2x2 pooling through fusetrain's window
+    op: the same values and gradients as torch's max_pool2d bit for bit, so
+    the same losses and the same checkpoint, in both layouts."""
+    for channels_last in (True, False):
+        runs = {}
+        for fused in (True, False):
+            d = tmp_path / f"cl{channels_last}_fused{fused}"
+            _bn_run(d, True, "--set", f"model.fused_max_pool={'true' if fused else 'false'}",
+                    "--set", f"model.channels_last={'true' if channels_last else 'false'}")
+            runs[fused] = (torch.load(sorted((d / "checkpoints").glob("step_*.pt"))[-1]),
+                           [r["loss"] for r in records(d, "train")])
+        (a, la), (b, lb) = runs[True], runs[False]
+        assert la == lb and len(la) == 24
+        tensors = [k for k, v in a.items() if isinstance(v, torch.Tensor) and k.startswith(("model.", "optim"))]
+        assert any(k.startswith("model.features.") for k in tensors)
+        for k in tensors:
+            assert torch.equal(a[k], b[k]), k
+
+
 def test_channels_last_is_a_layout_not_another_model(tmp_path):
     """model.channels_last lays the convolution kernels (and their optimizer
     state) out channels_last while training: the run says so, its

@@ -1,6 +1,6 @@
-"""Fused neural-network pieces: ``CrossEntropyLoss``, ``BatchNormReLU2d``
-and, in ``fusetrain.nn.functional``, ``softmax_cross_entropy`` and
-``batch_norm_relu``."""
+"""Fused neural-network pieces: ``CrossEntropyLoss``, ``BatchNormReLU2d``,
+``MaxPool2d`` and, in ``fusetrain.nn.functional``, ``softmax_cross_entropy``,
+``batch_norm_relu`` and ``max_pool2d``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,17 @@ from typing import Optional
 import torch
 
 from . import functional
-from .functional import batch_norm_relu, softmax_cross_entropy
+from .functional import batch_norm_relu, max_pool2d, softmax_cross_entropy
 
-__all__ = ["BatchNormReLU2d", "CrossEntropyLoss", "batch_norm_relu", "functional", "softmax_cross_entropy"]
+__all__ = [
+    "BatchNormReLU2d",
+    "CrossEntropyLoss",
+    "MaxPool2d",
+    "batch_norm_relu",
+    "functional",
+    "max_pool2d",
+    "softmax_cross_entropy",
+]
 
 
 class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
@@ -82,3 +90,15 @@ class BatchNormReLU2d(torch.nn.BatchNorm2d):
             exponential_average_factor,
             self.eps,
         )
+
+
+class MaxPool2d(torch.nn.MaxPool2d):
+    """``torch.nn.MaxPool2d`` through :func:`fusetrain.nn.functional.max_pool2d`:
+    the same constructor arguments and attributes (it is a subclass), the
+    same values and gradients bit for bit; one pass each way on the CPU where
+    the windows do not overlap (``stride`` None or the kernel size, the
+    default), torch's op otherwise."""
+
+    def forward(self, input: torch.Tensor):
+        return max_pool2d(input, self.kernel_size, self.stride, self.padding, self.dilation,
+                          ceil_mode=self.ceil_mode, return_indices=self.return_indices)

@@ -1,6 +1,8 @@
 """Fused losses and layers: ``softmax_cross_entropy``, a drop-in for
-``F.cross_entropy`` with class-index targets, and ``batch_norm_relu``,
-``F.batch_norm`` followed by a ReLU in one op each way on the CPU.
+``F.cross_entropy`` with class-index targets; ``batch_norm_relu``,
+``F.batch_norm`` followed by a ReLU in one op each way on the CPU; and
+``max_pool2d``, ``F.max_pool2d`` with one pass each way on the CPU where the
+windows do not overlap.
 
 One pass over the logits forward (online log-sum-exp in fp32) and one
 backward (the softmax recomputed from the logits and the saved per-row
@@ -21,7 +23,7 @@ from torch.nn import _reduction
 
 from .. import _C  # noqa: F401  (registers the fusetrain ops)
 
-__all__ = ["softmax_cross_entropy", "cross_entropy", "batch_norm_relu"]
+__all__ = ["softmax_cross_entropy", "cross_entropy", "batch_norm_relu", "max_pool2d"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -213,3 +215,68 @@ def batch_norm_relu(
         return torch.relu_(out) if relu else out
     return _BatchNormRelu.apply(input, weight, bias, running_mean, running_var, bool(training),
                                 float(momentum), float(eps), bool(relu))
+
+
+_POOL_FORWARD = torch.ops.fusetrain.max_pool2d.default
+_POOL_BACKWARD = torch.ops.fusetrain.max_pool2d_backward.default
+
+
+class _MaxPool2d(torch.autograd.Function):
+    """[N, C, H, W] -> the maximum of each non-overlapping window; saves the
+    input (its shape and layout) and the byte position of each maximum."""
+
+    @staticmethod
+    def forward(ctx, input, kernel_size):
+        out, argmax = _POOL_FORWARD(input, kernel_size)
+        ctx.save_for_backward(input, argmax)
+        ctx.kernel_size = kernel_size
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        input, argmax = ctx.saved_tensors
+        return _POOL_BACKWARD(grad_out, input, argmax, ctx.kernel_size), None
+
+
+def _pair(x) -> list:
+    return [int(x), int(x)] if isinstance(x, int) else [int(v) for v in x]
+
+
+def max_pool2d(
+    input: torch.Tensor,
+    kernel_size,
+    stride=None,
+    padding=0,
+    dilation=1,
+    ceil_mode: bool = False,
+    return_indices: bool = False,
+):
+    """``F.max_pool2d``: the same arguments, values and gradients, bit for
+    bit (ties keep the first maximum of a window, NaNs the last, as torch's).
+
+    On the CPU, for 4-D float32, float16 and bfloat16 inputs in either memory
+    format (the output keeps it), where the windows do not overlap (``stride``
+    None or equal to ``kernel_size``, no padding, dilation 1, floor mode, at
+    most 256 positions a window) and no indices are asked for, one pass
+    forward that writes the output and a byte per window (torch writes int64
+    indices), and one pass backward that writes every input gradient element
+    once (torch zero-fills, copies its inputs to one layout, then scatters).
+    Anything else is ``F.max_pool2d``. Not twice differentiable on the fused
+    path.
+    """
+    kernel = _pair(kernel_size)
+    windows = (
+        not return_indices
+        and (stride is None or (isinstance(stride, (list, tuple)) and len(stride) == 0) or _pair(stride) == kernel)
+        and _pair(padding) == [0, 0]
+        and _pair(dilation) == [1, 1]
+        and not ceil_mode
+        and len(kernel) == 2
+        and kernel[0] * kernel[1] <= 256
+    )
+    if (not windows or not input.is_cpu or input.dim() != 4 or input.dtype not in _SUPPORTED_DTYPES
+            or input.size(2) < kernel[0] or input.size(3) < kernel[1]):
+        return torch.nn.functional.max_pool2d(input, kernel_size, stride, padding, dilation,
+                                              ceil_mode=ceil_mode, return_indices=return_indices)
+    return _MaxPool2d.apply(input, kernel)

@@ -1,0 +1,358 @@
+// Max pooling over non-overlapping windows: dispatcher entry points, argument
+// checks, the CPU implementation and the Meta one used by torch.compile's
+// tracing. Other backends run the ATen composition (generic.cpp).
+//
+// Note [Window max pool]
+// With the stride equal to the kernel (the 2x2 pooling after each block of a
+// CNN) every input element belongs to at most one window, so the backward
+// needs no scatter-add into a zeroed gradient: each gradient element is
+// written once, the window's gradient at the position of its maximum and zero
+// elsewhere. torch's CPU max_pool2d backward zero-fills the input gradient,
+// copies its inputs to one memory format (on a channels_last CNN the incoming
+// gradient of the last pooling comes from a flatten, contiguous), and
+// scatters; its forward writes int64 flat indices. Here the forward writes
+// the maximum's position in its window as one byte, and the backward reads
+// those bytes and the output gradient and writes the input gradient, in
+// either layout without copies. Channels innermost (channels_last) the loops
+// are vectors across channels (max_pool_loops.inc); contiguous NCHW planes go
+// window by window.
+//
+// The maximum is torch's: scanning the window row by row, a value replaces the
+// one kept when it is greater or NaN, so ties keep the first and NaNs the
+// last, and the output element is that input element, bit for bit. The
+// gradient is 0 + g at that position (torch adds into zeros, turning -0 into
+// +0), zero elsewhere and in the rows and columns past the last whole window,
+// so output and gradients equal torch's bit for bit, on every path.
+#include <fusetrain/ops/checks.h>
+#include <fusetrain/ops/cpu_features.h>
+#include <fusetrain/ops/generic.h>
+#include <fusetrain/ops/max_pool.h>
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include <fusetrain/ops/simd_avx2.h>
+#include <fusetrain/ops/simd_avx512.h>
+
+namespace fusetrain::ops {
+
+namespace {
+constexpr const char* kForwardOp = "fusetrain::max_pool2d";
+constexpr const char* kBackwardOp = "fusetrain::max_pool2d_backward";
+// Input elements per unit of parallel work, at least.
+constexpr int64_t kGrain = 1 << 15;
+
+struct Window {
+  int64_t kh, kw;
+};
+
+Window window_of(at::IntArrayRef kernel_size) {
+  return {kernel_size[0], kernel_size.size() == 2 ? kernel_size[1] : kernel_size[0]};
+}
+
+// One window's maximum (Note [Window max pool]): x at its element (0, 0),
+// element (i, j) at i * row + j * col.
+template <typename T>
+void window_max(const T* x, int64_t row, int64_t col, const Window& k, T* out, uint8_t* argmax) {
+  float m = static_cast<float>(x[0]);
+  int64_t best = 0;
+  for (int64_t i = 0; i < k.kh; ++i) {
+    for (int64_t j = i == 0 ? 1 : 0; j < k.kw; ++j) {
+      const float v = static_cast<float>(x[i * row + j * col]);
+      if (m < v || std::isnan(v)) m = v, best = i * k.kw + j;
+    }
+  }
+  *out = x[(best / k.kw) * row + (best % k.kw) * col];
+  *argmax = static_cast<uint8_t>(best);
+}
+
+// One window's gradient: 0 + g at position `argmax`, zero elsewhere.
+template <typename T>
+void window_grad(T g, uint8_t argmax, int64_t row, int64_t col, const Window& k, T* grad_in) {
+  for (int64_t i = 0; i < k.kh; ++i) {
+    for (int64_t j = 0; j < k.kw; ++j) {
+      grad_in[i * row + j * col] =
+          i * k.kw + j == argmax ? static_cast<T>(static_cast<float>(g) + 0.f) : static_cast<T>(0.f);
+    }
+  }
+}
+
+namespace scalar {
+template <typename T>
+void forward_row(const T* x, int64_t c, int64_t row, const Window& k, int64_t count, T* out,
+                 uint8_t* argmax) {
+  for (int64_t w = 0; w < count; ++w) {
+    for (int64_t ch = 0; ch < c; ++ch) {
+      window_max(x + w * k.kw * c + ch, row, c, k, out + w * c + ch, argmax + w * c + ch);
+    }
+  }
+}
+
+template <typename T>
+void backward_row(const T* grad_out, const uint8_t* argmax, int64_t c, int64_t row,
+                  const Window& k, int64_t count, T* grad_in) {
+  for (int64_t w = 0; w < count; ++w) {
+    for (int64_t ch = 0; ch < c; ++ch) {
+      window_grad(grad_out[w * c + ch], argmax[w * c + ch], row, c, k, grad_in + w * k.kw * c + ch);
+    }
+  }
+}
+}  // namespace scalar
+}  // namespace
+}  // namespace fusetrain::ops
+
+#define FUSETRAIN_SIMD_LOOPS "max_pool_loops.inc"
+#include <fusetrain/ops/simd_each_isa.inc>
+
+namespace fusetrain::ops {
+
+namespace {
+
+template <typename T>
+struct RowLoops {
+  void (*forward)(const T*, int64_t, int64_t, const Window&, int64_t, T*, uint8_t*);
+  void (*backward)(const T*, const uint8_t*, int64_t, int64_t, const Window&, int64_t, T*);
+};
+
+template <typename T>
+RowLoops<T> row_loops() {
+#ifdef FUSETRAIN_SIMD_X86
+  switch (cpu_path()) {
+    case CpuPath::kAvx512:
+      return {&avx512::forward_row<T>, &avx512::backward_row<T>};
+    case CpuPath::kAvx2:
+      return {&avx2::forward_row<T>, &avx2::backward_row<T>};
+    case CpuPath::kGeneric:  // the op went to generic:: before
+    case CpuPath::kScalar:
+      break;
+  }
+#endif
+  return {&scalar::forward_row<T>, &scalar::backward_row<T>};
+}
+
+// fn(T{}) for the element type T of `dtype`: float, c10::Half or c10::BFloat16.
+template <typename Fn>
+auto with_element_type(at::ScalarType dtype, const char* op, const Fn& fn) {
+  switch (dtype) {
+    case at::kFloat:
+      return fn(float{});
+    case at::kHalf:
+      return fn(c10::Half{});
+    case at::kBFloat16:
+      return fn(c10::BFloat16{});
+    default:
+      TORCH_CHECK(false, op, ": unsupported dtype ", dtype);
+  }
+}
+
+struct Shape {
+  int64_t n, c, h, w, oh, ow;
+};
+
+Shape shape_of(const at::Tensor& input, const Window& k) {
+  return {input.size(0), input.size(1), input.size(2), input.size(3),
+          input.size(2) / k.kh, input.size(3) / k.kw};
+}
+
+bool channels_innermost(at::MemoryFormat format) { return format == at::MemoryFormat::ChannelsLast; }
+
+template <typename T>
+void forward_typed(const at::Tensor& x, const Window& k, at::Tensor& out, at::Tensor& argmax) {
+  const Shape s = shape_of(x, k);
+  const T* xp = x.const_data_ptr<T>();
+  T* op = out.mutable_data_ptr<T>();
+  uint8_t* ap = argmax.mutable_data_ptr<uint8_t>();
+  if (channels_innermost(out.suggest_memory_format())) {
+    const RowLoops<T> loops = row_loops<T>();
+    const int64_t row = s.w * s.c;  // one input row
+    const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(k.kh * row, 1));
+    at::parallel_for(0, s.n * s.oh, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t n = u / s.oh, oh = u % s.oh;
+        loops.forward(xp + (n * s.h + oh * k.kh) * row, s.c, row, k, s.ow, op + u * s.ow * s.c,
+                      ap + u * s.ow * s.c);
+      }
+    });
+    return;
+  }
+  const int64_t plane = s.h * s.w, out_plane = s.oh * s.ow;
+  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(plane, 1));
+  at::parallel_for(0, s.n * s.c, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      for (int64_t oh = 0; oh < s.oh; ++oh) {
+        for (int64_t ow = 0; ow < s.ow; ++ow) {
+          const int64_t o = u * out_plane + oh * s.ow + ow;
+          window_max(xp + u * plane + oh * k.kh * s.w + ow * k.kw, s.w, 1, k, op + o, ap + o);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void backward_typed(const at::Tensor& grad_out, const at::Tensor& argmax, const Window& k,
+                    at::Tensor& grad_in) {
+  const Shape s = shape_of(grad_in, k);
+  const T* gp = grad_out.const_data_ptr<T>();
+  const uint8_t* ap = argmax.const_data_ptr<uint8_t>();
+  T* ip = grad_in.mutable_data_ptr<T>();
+  if (channels_innermost(grad_in.suggest_memory_format())) {
+    const RowLoops<T> loops = row_loops<T>();
+    const int64_t row = s.w * s.c;
+    const int64_t covered = s.ow * k.kw * s.c;  // of each input row, the part in windows
+    const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(k.kh * row, 1));
+    at::parallel_for(0, s.n * s.oh, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t n = u / s.oh, oh = u % s.oh;
+        T* rows = ip + (n * s.h + oh * k.kh) * row;
+        loops.backward(gp + u * s.ow * s.c, ap + u * s.ow * s.c, s.c, row, k, s.ow, rows);
+        for (int64_t i = 0; i < k.kh; ++i) {
+          std::memset(static_cast<void*>(rows + i * row + covered), 0, (row - covered) * sizeof(T));
+        }
+        if (oh == s.oh - 1) {  // the rows past the last whole window
+          T* rest = ip + (n * s.h + s.oh * k.kh) * row;
+          std::memset(static_cast<void*>(rest), 0, (s.h - s.oh * k.kh) * row * sizeof(T));
+        }
+      }
+    });
+    return;
+  }
+  const int64_t plane = s.h * s.w, out_plane = s.oh * s.ow;
+  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(plane, 1));
+  at::parallel_for(0, s.n * s.c, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      T* gin = ip + u * plane;
+      if (s.ow * k.kw < s.w || s.oh * k.kh < s.h) {
+        std::memset(static_cast<void*>(gin), 0, plane * sizeof(T));
+      }
+      for (int64_t oh = 0; oh < s.oh; ++oh) {
+        for (int64_t ow = 0; ow < s.ow; ++ow) {
+          const int64_t o = u * out_plane + oh * s.ow + ow;
+          window_grad(gp[o], ap[o], s.w, 1, k, gin + oh * k.kh * s.w + ow * k.kw);
+        }
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& input, at::IntArrayRef kernel_size) {
+  if (cpu_path() == CpuPath::kGeneric) return generic::max_pool2d(input, kernel_size);
+  const auto [oh, ow] = check_max_pool2d_args(input, kernel_size);
+  const at::MemoryFormat format = input.suggest_memory_format();
+  const at::Tensor x = input.contiguous(format);
+  const auto sizes = {input.size(0), input.size(1), oh, ow};
+  at::Tensor out = at::empty(sizes, input.options().memory_format(format));
+  at::Tensor argmax = at::empty(sizes, input.options().dtype(at::kByte).memory_format(format));
+  const Window k = window_of(kernel_size);
+  with_element_type(input.scalar_type(), kForwardOp,
+                    [&](auto tag) { forward_typed<decltype(tag)>(x, k, out, argmax); });
+  return {out, argmax};
+}
+
+at::Tensor backward_cpu(const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& argmax,
+                        at::IntArrayRef kernel_size) {
+  if (cpu_path() == CpuPath::kGeneric) {
+    return generic::max_pool2d_backward(grad_out, input, argmax, kernel_size);
+  }
+  check_max_pool2d_backward_args(grad_out, input, argmax, kernel_size);
+  const at::MemoryFormat format = input.suggest_memory_format();
+  at::Tensor grad_in = at::empty(input.sizes(), input.options().memory_format(format));
+  const Window k = window_of(kernel_size);
+  // Copies only where the layouts differ (a gradient that came through a
+  // flatten, say): the loops walk all three alike.
+  const at::Tensor g = grad_out.contiguous(format);
+  const at::Tensor a = argmax.contiguous(format);
+  with_element_type(input.scalar_type(), kBackwardOp,
+                    [&](auto tag) { backward_typed<decltype(tag)>(g, a, k, grad_in); });
+  return grad_in;
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_meta(const at::Tensor& input, at::IntArrayRef kernel_size) {
+  const auto [oh, ow] = check_max_pool2d_args(input, kernel_size);
+  const at::MemoryFormat format = input.suggest_memory_format();
+  const auto sizes = {input.size(0), input.size(1), oh, ow};
+  return {at::empty(sizes, input.options().memory_format(format)),
+          at::empty(sizes, input.options().dtype(at::kByte).memory_format(format))};
+}
+
+at::Tensor backward_meta(const at::Tensor& grad_out, const at::Tensor& input, const at::Tensor& argmax,
+                         at::IntArrayRef kernel_size) {
+  check_max_pool2d_backward_args(grad_out, input, argmax, kernel_size);
+  return at::empty(input.sizes(), input.options().memory_format(input.suggest_memory_format()));
+}
+
+}  // namespace
+
+std::array<int64_t, 2> check_max_pool2d_args(const at::Tensor& input, at::IntArrayRef kernel_size) {
+  const char* op = kForwardOp;
+  TORCH_CHECK(input.defined(), op, ": input is undefined");
+  TORCH_CHECK(input.dim() == 4, op, ": input must be 4-D [N, C, H, W], got shape ", input.sizes());
+  const at::ScalarType dtype = input.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op,
+              ": input must be float32, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK(kernel_size.size() == 1 || kernel_size.size() == 2, op,
+              ": kernel_size must be one size or two (height, width), got ", kernel_size);
+  const Window k = window_of(kernel_size);
+  TORCH_CHECK(k.kh >= 1 && k.kw >= 1, op, ": kernel_size must be positive, got ", kernel_size);
+  TORCH_CHECK(k.kh * k.kw <= 256, op, ": a window of ", k.kh, "x", k.kw,
+              " has more than 256 positions, which the uint8 argmax cannot number; use "
+              "torch.nn.functional.max_pool2d");
+  const int64_t oh = input.size(2) / k.kh, ow = input.size(3) / k.kw;
+  TORCH_CHECK(oh >= 1 && ow >= 1, op, ": input of height ", input.size(2), " and width ",
+              input.size(3), " is smaller than the ", k.kh, "x", k.kw, " window");
+  return {oh, ow};
+}
+
+void check_max_pool2d_backward_args(const at::Tensor& grad_out, const at::Tensor& input,
+                                    const at::Tensor& argmax, at::IntArrayRef kernel_size) {
+  const char* op = kBackwardOp;
+  const auto [oh, ow] = check_max_pool2d_args(input, kernel_size);
+  const std::array<int64_t, 4> out_sizes = {input.size(0), input.size(1), oh, ow};
+  TORCH_CHECK(grad_out.defined() && grad_out.sizes() == at::IntArrayRef(out_sizes), op,
+              ": grad_out must have the output's shape ", at::IntArrayRef(out_sizes), ", got ",
+              grad_out.defined() ? grad_out.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(grad_out.scalar_type() == input.scalar_type(), op, ": grad_out must be ",
+              input.scalar_type(), " as the input, got ", grad_out.scalar_type());
+  TORCH_CHECK(argmax.defined() && argmax.sizes() == at::IntArrayRef(out_sizes), op,
+              ": argmax must have the output's shape ", at::IntArrayRef(out_sizes), ", got ",
+              argmax.defined() ? argmax.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(argmax.scalar_type() == at::kByte, op,
+              ": argmax must be uint8 (max_pool2d's second output), got ", argmax.scalar_type());
+  check_same_device(grad_out, input, op, "grad_out", "input");
+  check_same_device(argmax, input, op, "argmax", "input");
+}
+
+std::tuple<at::Tensor, at::Tensor> max_pool2d(const at::Tensor& input, at::IntArrayRef kernel_size) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fusetrain::max_pool2d", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&,
+                                                                       at::IntArrayRef)>();
+  return op.call(input, kernel_size);
+}
+
+at::Tensor max_pool2d_backward(const at::Tensor& grad_out, const at::Tensor& input,
+                               const at::Tensor& argmax, at::IntArrayRef kernel_size) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fusetrain::max_pool2d_backward", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            at::IntArrayRef)>();
+  return op.call(grad_out, input, argmax, kernel_size);
+}
+
+TORCH_LIBRARY_IMPL(fusetrain, CPU, m) {
+  m.impl("max_pool2d", &forward_cpu);
+  m.impl("max_pool2d_backward", &backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(fusetrain, Meta, m) {
+  m.impl("max_pool2d", &forward_meta);
+  m.impl("max_pool2d_backward", &backward_meta);
+}
+
+}  // namespace fusetrain::ops
