@@ -11,6 +11,13 @@ activation-sized transfers a step; the rate below counts those against a
 plain copy of the activation timed in the same loop. CPU only: on CUDA the
 function is torch's (cuDNN) batch norm.
 
+Also the 2x2 max pooling that follows each block (fusetrain.nn.functional.
+max_pool2d against ``F.max_pool2d``), forward + backward on the current
+default CNN's activations (16 channels at 28x28, 32 at 14x14): ours reads
+the activation and writes a quarter of it and a byte a window forward,
+reads those back and writes the input gradient backward (2.5 activations
+and two bytes a window).
+
     python bench/run.py --only batch_norm
     python bench/bench_batch_norm.py            # the same
 """
@@ -51,17 +58,22 @@ def bench_shape(ctx: Context, shape, dtype) -> dict:
         "ours": step(lambda xi, rm, rv: FF.batch_norm_relu(xi, rm, rv, weight, bias, training=True), "ours"),
         "torch": step(lambda xi, rm, rv: F.relu(F.batch_norm(xi, rm, rv, weight, bias, training=True)), "torch"),
     }
-    copy_fn, copy_bytes = copy_variant(ctx, x.numel(), dtype)
-    fns["copy"] = copy_fn
+    return timed_row(ctx, "batch norm + ReLU", fns, x, TRANSFERS * x.numel() * x.element_size())
+
+
+def timed_row(ctx: Context, label: str, fns: dict, x: torch.Tensor, moved: int) -> dict:
+    """ours against torch, interleaved with a copy of x, as one result row:
+    time, and the rate of `moved` bytes against the copy's."""
+    copy_fn, copy_bytes = copy_variant(ctx, x.numel(), x.dtype)
+    fns = dict(fns, copy=copy_fn)
     repeats = 7 if ctx.quick else 31
     times = interleave(fns, ctx, warmup=3, repeats=repeats)
     ours_s, torch_s, copy_s = (median(times[k]) for k in ("ours", "torch", "copy"))
-    moved = TRANSFERS * x.numel() * x.element_size()
     copy_gbps = gbps(copy_bytes, copy_s)
     rate = gbps(moved, ours_s)
-    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[x.dtype]
     return result(
-        f"batch norm + ReLU fwd+bwd, {name} {'x'.join(map(str, shape))} channels_last",
+        f"{label} fwd+bwd, {name} {'x'.join(map(str, x.shape))} channels_last",
         ours=ours_s * 1e3,
         torch_=torch_s * 1e3,
         unit="ms",
@@ -76,10 +88,31 @@ def bench_shape(ctx: Context, shape, dtype) -> dict:
     )
 
 
+POOL_SHAPES = [(64, 16, 28, 28), (64, 32, 14, 14)]
+
+
+def bench_pool(ctx: Context, shape, dtype) -> dict:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g).to(dtype).contiguous(memory_format=torch.channels_last)
+    out_shape = (shape[0], shape[1], shape[2] // 2, shape[3] // 2)
+    dy = torch.randn(out_shape, generator=g).to(dtype).contiguous(memory_format=torch.channels_last)
+
+    def step(fn):
+        def call():
+            xi = x.detach().requires_grad_()
+            fn(xi, 2).backward(dy)
+
+        return call
+
+    fns = {"ours": step(FF.max_pool2d), "torch": step(F.max_pool2d)}
+    return timed_row(ctx, "2x2 max pool", fns, x, int(2.5 * x.numel() * x.element_size()) + 2 * x.numel() // 4)
+
+
 def run(ctx: Context) -> list:
     if ctx.is_cuda:
         return []
-    return [bench_shape(ctx, s, d) for d in (torch.bfloat16, torch.float32) for s in SHAPES]
+    return ([bench_shape(ctx, s, d) for d in (torch.bfloat16, torch.float32) for s in SHAPES]
+            + [bench_pool(ctx, s, d) for d in (torch.bfloat16, torch.float32) for s in POOL_SHAPES])
 
 
 if __name__ == "__main__":

@@ -504,21 +504,6 @@ bool loops_suit(const Walk& w, int64_t lanes) {
                      : w.plane >= kMinPlane;
 }
 
-// fn(T{}) for the element type T of `dtype`: float, c10::Half or c10::BFloat16.
-template <typename Fn>
-auto with_element_type(at::ScalarType dtype, const char* op, const Fn& fn) {
-  switch (dtype) {
-    case at::kFloat:
-      return fn(float{});
-    case at::kHalf:
-      return fn(c10::Half{});
-    case at::kBFloat16:
-      return fn(c10::BFloat16{});
-    default:
-      TORCH_CHECK(false, op, ": unsupported dtype ", dtype);
-  }
-}
-
 template <typename T>
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_typed(
     const at::Tensor& x_in, const std::optional<at::Tensor>& weight,

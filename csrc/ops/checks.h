@@ -38,4 +38,21 @@ inline void check_float_list(at::TensorList tensors, const at::Device& device, c
   }
 }
 
+/// fn(T{}) for the element type T of `dtype` (float, c10::Half or
+/// c10::BFloat16): the kernels' dispatch over the floating types they take;
+/// any other dtype is an error naming `op`.
+template <typename Fn>
+auto with_element_type(at::ScalarType dtype, const char* op, const Fn& fn) {
+  switch (dtype) {
+    case at::kFloat:
+      return fn(float{});
+    case at::kHalf:
+      return fn(c10::Half{});
+    case at::kBFloat16:
+      return fn(c10::BFloat16{});
+    default:
+      TORCH_CHECK(false, op, ": unsupported dtype ", dtype);
+  }
+}
+
 }  // namespace fusetrain::ops

@@ -135,21 +135,6 @@ RowLoops<T> row_loops() {
   return {&scalar::forward_row<T>, &scalar::backward_row<T>};
 }
 
-// fn(T{}) for the element type T of `dtype`: float, c10::Half or c10::BFloat16.
-template <typename Fn>
-auto with_element_type(at::ScalarType dtype, const char* op, const Fn& fn) {
-  switch (dtype) {
-    case at::kFloat:
-      return fn(float{});
-    case at::kHalf:
-      return fn(c10::Half{});
-    case at::kBFloat16:
-      return fn(c10::BFloat16{});
-    default:
-      TORCH_CHECK(false, op, ": unsupported dtype ", dtype);
-  }
-}
-
 struct Shape {
   int64_t n, c, h, w, oh, ow;
 };
