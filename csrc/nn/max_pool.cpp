@@ -18,7 +18,6 @@ class MaxPool2dFunction : public torch::autograd::Function<MaxPool2dFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
                             at::IntArrayRef kernel_size) {
     auto [out, argmax] = ops::max_pool2d(input, kernel_size);
-    ctx->mark_non_differentiable({argmax});
     ctx->save_for_backward({input, argmax});
     ctx->saved_data["kernel_size"] = kernel_size.vec();
     return out;
