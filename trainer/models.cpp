@@ -40,7 +40,17 @@ void ModelImpl::use_channels_last() {
 }
 
 at::Tensor ModelImpl::as_input(const at::Tensor& x) const {
-  return channels_last_ && x.dim() == 4 ? x.contiguous(at::MemoryFormat::ChannelsLast) : x;
+  if (!channels_last_ || x.dim() != 4) return x;
+  if (x.size(1) == 1 && x.is_contiguous()) {
+    // One channel (Fashion-MNIST): contiguous(ChannelsLast) keeps the NCHW
+    // strides, as valid for one channel, and the first convolution, whose
+    // kernel [C, 1, kh, kw] looks NCHW too, then runs and answers in NCHW;
+    // every later layer of the block converted it back (copies of each
+    // activation of the block, forward and backward). The same memory viewed
+    // with channels_last strides keeps the whole network channels_last.
+    return x.as_strided(x.sizes(), {x.size(2) * x.size(3), 1, x.size(3), 1});
+  }
+  return x.contiguous(at::MemoryFormat::ChannelsLast);
 }
 
 namespace {

@@ -32,7 +32,8 @@ class ModelImpl : public torch::nn::Module {
 
   /// model.channels_last: the 4-D parameters and buffers (convolution
   /// kernels) in channels_last layout, and forward() takes its images in it
-  /// (a copy of an NCHW batch). oneDNN's convolutions, batch norm and
+  /// (a copy of an NCHW batch; a view of a one-channel one, whose memory is
+  /// the same in both layouts). oneDNN's convolutions, batch norm and
   /// pooling run faster on it (bench/bench_trainer.py); the values, names
   /// and shapes are unchanged, so checkpoints are the same.
   void use_channels_last();
