@@ -128,6 +128,10 @@ def test_functional_and_module_are_drop_ins():
             (g,) = torch.autograd.grad(y, x, dy)
             (g_ref,) = torch.autograd.grad(ref, x, dy, retain_graph=True)
             assert torch.equal(bits(g), bits(g_ref)), kwargs
+    nchw = x.detach().contiguous().requires_grad_()  # NCHW: torch's kernel is the faster
+    assert "_MaxPool2d" not in type(FF.max_pool2d(nchw, 2).grad_fn).__name__
+    one = torch.randn(4, 1, 8, 8).as_strided((4, 1, 8, 8), (64, 1, 8, 1)).requires_grad_()
+    assert "_MaxPool2d" in type(FF.max_pool2d(one, 2).grad_fn).__name__  # one channel, channels_last strides
     out, idx = FF.max_pool2d(x, 2, return_indices=True)  # torch's, with its indices
     assert idx.dtype == torch.int64
     y = FF.max_pool2d(x.double(), 2)  # float64: torch's
