@@ -31,19 +31,23 @@ class MaxPool2dFunction : public torch::autograd::Function<MaxPool2dFunction> {
   }
 };
 
-bool window_ops_for(const at::Tensor& input) {
+bool window_ops_for(const at::Tensor& input, at::IntArrayRef kernel_size) {
   const at::ScalarType dtype = input.scalar_type();
-  // Channels innermost only: the NCHW loops go window by window and are
-  // slower than torch's NCHW kernel.
-  return input.is_cpu() && input.dim() == 4 &&
-         input.suggest_memory_format() == at::MemoryFormat::ChannelsLast &&
+  // channels_last: vectors across channels, any window; contiguous NCHW:
+  // vectors along the rows for 2x2 windows (other windows go one by one
+  // there, slower than torch's NCHW kernel).
+  const bool two_by_two = kernel_size.size() == 2 ? kernel_size[0] == 2 && kernel_size[1] == 2
+                                                  : kernel_size.size() == 1 && kernel_size[0] == 2;
+  const bool layout = input.suggest_memory_format() == at::MemoryFormat::ChannelsLast ||
+                      (input.is_contiguous() && two_by_two);
+  return input.is_cpu() && input.dim() == 4 && layout &&
          (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf);
 }
 
 }  // namespace
 
 at::Tensor max_pool2d(const at::Tensor& input, at::IntArrayRef kernel_size) {
-  if (!window_ops_for(input)) return at::max_pool2d(input, kernel_size, kernel_size);
+  if (!window_ops_for(input, kernel_size)) return at::max_pool2d(input, kernel_size, kernel_size);
   return MaxPool2dFunction::apply(input, kernel_size);
 }
 

@@ -11,10 +11,10 @@ namespace fusetrain::nn {
 /// torch::nn::functional::max_pool2d(input, kernel_size) (stride = kernel,
 /// no padding, no dilation, floor mode): the same values and gradients, bit
 /// for bit. On the CPU, for 4-D float32, float16 and bfloat16 inputs in
-/// channels_last (the output keeps it), one pass forward that writes the
-/// output and a byte per window, one pass backward that writes the input
-/// gradient; anything else (NCHW included, where torch's kernel is the
-/// faster) is at::max_pool2d. Not twice differentiable on the CPU path.
+/// channels_last (the output keeps it), or contiguous NCHW with 2x2 windows,
+/// one pass forward that writes the output and a byte per window, one pass
+/// backward that writes the input gradient; anything else is
+/// at::max_pool2d. Not twice differentiable on the CPU path.
 at::Tensor max_pool2d(const at::Tensor& input, at::IntArrayRef kernel_size);
 
 /// What `pool->forward(input)` gives, through the function above where the

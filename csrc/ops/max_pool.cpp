@@ -14,8 +14,9 @@
 // the maximum's position in its window as one byte, and the backward reads
 // those bytes and the output gradient and writes the input gradient, in
 // either layout without copies. Channels innermost (channels_last) the loops
-// are vectors across channels (max_pool_loops.inc); contiguous NCHW planes go
-// window by window.
+// are vectors across channels; in contiguous NCHW planes 2x2 windows are
+// vectors along the rows, each input row's vectors split into their even and
+// odd columns (max_pool_loops.inc), and other windows go one by one.
 //
 // The maximum is torch's: scanning the window row by row, a value replaces the
 // one kept when it is greater or NaN, so ties keep the first and NaNs the
@@ -31,6 +32,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -82,6 +84,31 @@ void window_grad(T g, uint8_t argmax, int64_t row, int64_t col, const Window& k,
   }
 }
 
+// window_max and window_grad for a 2x2 window of an NCHW plane, unrolled:
+// the tails of the 2x2 row loops (a row of a 28-wide image has 14 windows,
+// under one AVX-512 vector), where the general ones spent most of the time.
+template <typename T>
+inline void window_max_2x2(const T* x, int64_t row, T* out, uint8_t* argmax) {
+  const T* at[4] = {x, x + 1, x + row, x + row + 1};
+  float m = static_cast<float>(*at[0]);
+  int best = 0;
+  for (int k = 1; k < 4; ++k) {
+    const float v = static_cast<float>(*at[k]);
+    if (m < v || std::isnan(v)) m = v, best = k;
+  }
+  *out = *at[best];
+  *argmax = static_cast<uint8_t>(best);
+}
+
+template <typename T>
+inline void window_grad_2x2(T g, uint8_t argmax, int64_t row, T* grad_in) {
+  const T hit = static_cast<T>(static_cast<float>(g) + 0.f), zero = static_cast<T>(0.f);
+  grad_in[0] = argmax == 0 ? hit : zero;
+  grad_in[1] = argmax == 1 ? hit : zero;
+  grad_in[row] = argmax == 2 ? hit : zero;
+  grad_in[row + 1] = argmax == 3 ? hit : zero;
+}
+
 namespace scalar {
 template <typename T>
 void forward_row(const T* x, int64_t c, int64_t row, const Window& k, int64_t count, T* out,
@@ -102,6 +129,17 @@ void backward_row(const T* grad_out, const uint8_t* argmax, int64_t c, int64_t r
     }
   }
 }
+
+template <typename T>
+void forward_rows_2x2(const T* x, int64_t row, int64_t count, T* out, uint8_t* argmax) {
+  for (int64_t w = 0; w < count; ++w) window_max_2x2(x + 2 * w, row, out + w, argmax + w);
+}
+
+template <typename T>
+void backward_rows_2x2(const T* grad_out, const uint8_t* argmax, int64_t row, int64_t count,
+                       T* grad_in) {
+  for (int64_t w = 0; w < count; ++w) window_grad_2x2(grad_out[w], argmax[w], row, grad_in + 2 * w);
+}
 }  // namespace scalar
 }  // namespace
 }  // namespace fusetrain::ops
@@ -113,10 +151,31 @@ namespace fusetrain::ops {
 
 namespace {
 
+#ifdef FUSETRAIN_SIMD_X86
+// Rows of 2x2 windows shorter than a 16-lane vector (a 28-wide image has 14)
+// take the 8-lane loop: AVX-512 CPUs run AVX2, and the two give the same bits.
+template <typename T>
+void forward_rows_2x2_avx512(const T* x, int64_t row, int64_t count, T* out, uint8_t* argmax) {
+  if (count < avx512::kLanes) return avx2::forward_rows_2x2<T>(x, row, count, out, argmax);
+  avx512::forward_rows_2x2<T>(x, row, count, out, argmax);
+}
+
+template <typename T>
+void backward_rows_2x2_avx512(const T* grad_out, const uint8_t* argmax, int64_t row, int64_t count,
+                              T* grad_in) {
+  if (count < avx512::kLanes) return avx2::backward_rows_2x2<T>(grad_out, argmax, row, count, grad_in);
+  avx512::backward_rows_2x2<T>(grad_out, argmax, row, count, grad_in);
+}
+#endif
+
 template <typename T>
 struct RowLoops {
+  // Channels innermost, any window.
   void (*forward)(const T*, int64_t, int64_t, const Window&, int64_t, T*, uint8_t*);
   void (*backward)(const T*, const uint8_t*, int64_t, int64_t, const Window&, int64_t, T*);
+  // NCHW planes, 2x2 windows.
+  void (*forward_2x2)(const T*, int64_t, int64_t, T*, uint8_t*);
+  void (*backward_2x2)(const T*, const uint8_t*, int64_t, int64_t, T*);
 };
 
 template <typename T>
@@ -124,15 +183,18 @@ RowLoops<T> row_loops() {
 #ifdef FUSETRAIN_SIMD_X86
   switch (cpu_path()) {
     case CpuPath::kAvx512:
-      return {&avx512::forward_row<T>, &avx512::backward_row<T>};
+      return {&avx512::forward_row<T>, &avx512::backward_row<T>, &forward_rows_2x2_avx512<T>,
+              &backward_rows_2x2_avx512<T>};
     case CpuPath::kAvx2:
-      return {&avx2::forward_row<T>, &avx2::backward_row<T>};
+      return {&avx2::forward_row<T>, &avx2::backward_row<T>, &avx2::forward_rows_2x2<T>,
+              &avx2::backward_rows_2x2<T>};
     case CpuPath::kGeneric:  // the op went to generic:: before
     case CpuPath::kScalar:
       break;
   }
 #endif
-  return {&scalar::forward_row<T>, &scalar::backward_row<T>};
+  return {&scalar::forward_row<T>, &scalar::backward_row<T>, &scalar::forward_rows_2x2<T>,
+          &scalar::backward_rows_2x2<T>};
 }
 
 struct Shape {
@@ -167,12 +229,19 @@ void forward_typed(const at::Tensor& x, const Window& k, at::Tensor& out, at::Te
   }
   const int64_t plane = s.h * s.w, out_plane = s.oh * s.ow;
   const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(plane, 1));
+  const bool two_by_two = k.kh == 2 && k.kw == 2;
+  const RowLoops<T> loops = row_loops<T>();
   at::parallel_for(0, s.n * s.c, grain, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       for (int64_t oh = 0; oh < s.oh; ++oh) {
+        const T* rows = xp + u * plane + oh * k.kh * s.w;
+        const int64_t o = u * out_plane + oh * s.ow;
+        if (two_by_two) {
+          loops.forward_2x2(rows, s.w, s.ow, op + o, ap + o);
+          continue;
+        }
         for (int64_t ow = 0; ow < s.ow; ++ow) {
-          const int64_t o = u * out_plane + oh * s.ow + ow;
-          window_max(xp + u * plane + oh * k.kh * s.w + ow * k.kw, s.w, 1, k, op + o, ap + o);
+          window_max(rows + ow * k.kw, s.w, 1, k, op + o + ow, ap + o + ow);
         }
       }
     }
@@ -209,6 +278,8 @@ void backward_typed(const at::Tensor& grad_out, const at::Tensor& argmax, const 
   }
   const int64_t plane = s.h * s.w, out_plane = s.oh * s.ow;
   const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(plane, 1));
+  const bool two_by_two = k.kh == 2 && k.kw == 2;
+  const RowLoops<T> loops = row_loops<T>();
   at::parallel_for(0, s.n * s.c, grain, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       T* gin = ip + u * plane;
@@ -216,9 +287,14 @@ void backward_typed(const at::Tensor& grad_out, const at::Tensor& argmax, const 
         std::memset(static_cast<void*>(gin), 0, plane * sizeof(T));
       }
       for (int64_t oh = 0; oh < s.oh; ++oh) {
+        T* rows = gin + oh * k.kh * s.w;
+        const int64_t o = u * out_plane + oh * s.ow;
+        if (two_by_two) {
+          loops.backward_2x2(gp + o, ap + o, s.w, s.ow, rows);
+          continue;
+        }
         for (int64_t ow = 0; ow < s.ow; ++ow) {
-          const int64_t o = u * out_plane + oh * s.ow + ow;
-          window_grad(gp[o], ap[o], s.w, 1, k, gin + oh * k.kh * s.w + ow * k.kw);
+          window_grad(gp[o + ow], ap[o + ow], s.w, 1, k, rows + ow * k.kw);
         }
       }
     }

@@ -70,6 +70,23 @@ inline void store_bits(c10::BFloat16* p, F x) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 
+// The even and odd elements of the 2 kLanes elements lo, hi (lo first), and
+// back: interleave(even, odd) gives lo and hi again.
+inline void deinterleave(F lo, F hi, F& even, F& odd) {
+  // Per 128-bit half: [lo0 lo2 hi0 hi2 | lo4 lo6 hi4 hi6]; then the middle
+  // 64-bit quarters swap places.
+  const __m256 e = _mm256_shuffle_ps(lo.v, hi.v, _MM_SHUFFLE(2, 0, 2, 0));
+  const __m256 o = _mm256_shuffle_ps(lo.v, hi.v, _MM_SHUFFLE(3, 1, 3, 1));
+  even = {_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), _MM_SHUFFLE(3, 1, 2, 0)))};
+  odd = {_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), _MM_SHUFFLE(3, 1, 2, 0)))};
+}
+inline void interleave(F even, F odd, F& lo, F& hi) {
+  const __m256 a = _mm256_unpacklo_ps(even.v, odd.v);  // e0 o0 e1 o1 | e4 o4 e5 o5
+  const __m256 b = _mm256_unpackhi_ps(even.v, odd.v);  // e2 o2 e3 o3 | e6 o6 e7 o7
+  lo = {_mm256_permute2f128_ps(a, b, 0x20)};
+  hi = {_mm256_permute2f128_ps(a, b, 0x31)};
+}
+
 // kLanes bytes as floats, and back (lanes holding integers in [0, 255]).
 inline F load_u8(const uint8_t* p) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};

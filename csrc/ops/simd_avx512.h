@@ -68,6 +68,21 @@ inline void store_bits(c10::BFloat16* p, F x) {
                       _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x.v), 16)));
 }
 
+// The even and odd elements of the 2 kLanes elements lo, hi (lo first), and
+// back: interleave(even, odd) gives lo and hi again.
+inline void deinterleave(F lo, F hi, F& even, F& odd) {
+  const __m512i e = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i o = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  even = {_mm512_permutex2var_ps(lo.v, e, hi.v)};
+  odd = {_mm512_permutex2var_ps(lo.v, o, hi.v)};
+}
+inline void interleave(F even, F odd, F& lo, F& hi) {
+  const __m512i l = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i h = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  lo = {_mm512_permutex2var_ps(even.v, l, odd.v)};
+  hi = {_mm512_permutex2var_ps(even.v, h, odd.v)};
+}
+
 // kLanes bytes as floats, and back (lanes holding integers in [0, 255]).
 inline F load_u8(const uint8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};

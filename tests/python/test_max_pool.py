@@ -76,8 +76,9 @@ def positions(idx: torch.Tensor, kernel, width: int) -> torch.Tensor:
 
 
 # (shape, kernel): channel counts below, at and past the 8- and 16-lane
-# vectors, odd heights and widths (rows and columns past the last window),
-# windows of 2x2, 3x3, 2x3 and 1x1.
+# vectors (channels_last), rows of windows past them (NCHW 2x2), odd heights
+# and widths (rows and columns past the last window), windows of 2x2, 3x3,
+# 2x3 and 1x1.
 CASES = [
     ((4, 16, 8, 8), (2, 2)),
     ((3, 19, 9, 11), (2, 2)),
@@ -86,6 +87,9 @@ CASES = [
     ((2, 5, 10, 9), (3, 3)),
     ((2, 24, 7, 10), (2, 3)),
     ((1, 9, 3, 4), (1, 1)),
+    ((2, 3, 6, 70), (2, 2)),  # NCHW rows of 35 windows: vectors of 8 and 16, the last overlapping
+    ((3, 4, 4, 28), (2, 2)),  # 14 windows: under one 16-lane vector, so 8-lane ones
+    ((2, 2, 5, 67), (2, 2)),
 ]
 
 
@@ -128,8 +132,10 @@ def test_functional_and_module_are_drop_ins():
             (g,) = torch.autograd.grad(y, x, dy)
             (g_ref,) = torch.autograd.grad(ref, x, dy, retain_graph=True)
             assert torch.equal(bits(g), bits(g_ref)), kwargs
-    nchw = x.detach().contiguous().requires_grad_()  # NCHW: torch's kernel is the faster
-    assert "_MaxPool2d" not in type(FF.max_pool2d(nchw, 2).grad_fn).__name__
+    nchw = x.detach().contiguous().requires_grad_()  # NCHW: 2x2 windows ours, others torch's
+    assert "_MaxPool2d" in type(FF.max_pool2d(nchw, 2).grad_fn).__name__
+    assert "_MaxPool2d" not in type(FF.max_pool2d(nchw, 3).grad_fn).__name__
+    assert "_MaxPool2d" in type(FF.max_pool2d(x, 3).grad_fn).__name__
     one = torch.randn(4, 1, 8, 8).as_strided((4, 1, 8, 8), (64, 1, 8, 1)).requires_grad_()
     assert "_MaxPool2d" in type(FF.max_pool2d(one, 2).grad_fn).__name__  # one channel, channels_last strides
     out, idx = FF.max_pool2d(x, 2, return_indices=True)  # torch's, with its indices

@@ -95,9 +95,10 @@ class BatchNormReLU2d(torch.nn.BatchNorm2d):
 class MaxPool2d(torch.nn.MaxPool2d):
     """``torch.nn.MaxPool2d`` through :func:`fusetrain.nn.functional.max_pool2d`:
     the same constructor arguments and attributes (it is a subclass), the
-    same values and gradients bit for bit; one pass each way on the CPU for
-    channels_last inputs where the windows do not overlap (``stride`` None or
-    the kernel size, the default), torch's op otherwise."""
+    same values and gradients bit for bit; one pass each way on the CPU where
+    the windows do not overlap (``stride`` None or the kernel size, the
+    default) in channels_last inputs, or are 2x2 in NCHW ones; torch's op
+    otherwise."""
 
     def forward(self, input: torch.Tensor):
         return max_pool2d(input, self.kernel_size, self.stride, self.padding, self.dilation,

@@ -255,8 +255,9 @@ def max_pool2d(
     """``F.max_pool2d``: the same arguments, values and gradients, bit for
     bit (ties keep the first maximum of a window, NaNs the last, as torch's).
 
-    On the CPU, for 4-D float32, float16 and bfloat16 channels_last inputs
-    (the output is channels_last too), where the windows do not overlap (``stride``
+    On the CPU, for 4-D float32, float16 and bfloat16 inputs, channels_last
+    (the output is channels_last too) or contiguous NCHW with 2x2 windows,
+    where the windows do not overlap (``stride``
     None or equal to ``kernel_size``, no padding, dilation 1, floor mode, at
     most 256 positions a window) and no indices are asked for, one pass
     forward that writes the output and a byte per window (torch writes int64
@@ -275,11 +276,13 @@ def max_pool2d(
         and len(kernel) == 2
         and kernel[0] * kernel[1] <= 256
     )
-    # Channels innermost only: the NCHW loops go window by window and are
-    # slower than torch's NCHW kernel.
-    channels_last = input.dim() == 4 and input.stride(1) == 1 and input.is_contiguous(
-        memory_format=torch.channels_last)
-    if (not windows or not input.is_cpu or not channels_last or input.dtype not in _SUPPORTED_DTYPES
+    # channels_last: vectors across channels, any window; contiguous NCHW:
+    # vectors along the rows for 2x2 windows (other windows go one by one
+    # there, slower than torch's NCHW kernel).
+    layout = input.dim() == 4 and (
+        (input.stride(1) == 1 and input.is_contiguous(memory_format=torch.channels_last))
+        or (input.is_contiguous() and kernel == [2, 2]))
+    if (not windows or not input.is_cpu or not layout or input.dtype not in _SUPPORTED_DTYPES
             or input.size(2) < kernel[0] or input.size(3) < kernel[1]):
         return torch.nn.functional.max_pool2d(input, kernel_size, stride, padding, dilation,
                                               ceil_mode=ceil_mode, return_indices=return_indices)
