@@ -13,7 +13,8 @@ function is torch's (cuDNN) batch norm.
 
 Also the 2x2 max pooling that follows each block (fusetrain.nn.functional.
 max_pool2d against ``F.max_pool2d``), forward + backward on the current
-default CNN's activations (16 channels at 28x28, 32 at 14x14): ours reads
+default CNN's activations (16 channels at 28x28, 32 at 14x14; and the
+first in NCHW, as a model without channels_last has it): ours reads
 the activation and writes a quarter of it and a byte a window forward,
 reads those back and writes the input gradient backward (2.5 activations
 and two bytes a window).
@@ -73,7 +74,8 @@ def timed_row(ctx: Context, label: str, fns: dict, x: torch.Tensor, moved: int) 
     rate = gbps(moved, ours_s)
     name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[x.dtype]
     return result(
-        f"{label} fwd+bwd, {name} {'x'.join(map(str, x.shape))} channels_last",
+        f"{label} fwd+bwd, {name} {'x'.join(map(str, x.shape))} "
+        f"{'NCHW' if x.is_contiguous() and x.size(1) > 1 else 'channels_last'}",
         ours=ours_s * 1e3,
         torch_=torch_s * 1e3,
         unit="ms",
@@ -91,11 +93,11 @@ def timed_row(ctx: Context, label: str, fns: dict, x: torch.Tensor, moved: int) 
 POOL_SHAPES = [(64, 16, 28, 28), (64, 32, 14, 14)]
 
 
-def bench_pool(ctx: Context, shape, dtype) -> dict:
+def bench_pool(ctx: Context, shape, dtype, fmt=torch.channels_last) -> dict:
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(shape, generator=g).to(dtype).contiguous(memory_format=torch.channels_last)
+    x = torch.randn(shape, generator=g).to(dtype).contiguous(memory_format=fmt)
     out_shape = (shape[0], shape[1], shape[2] // 2, shape[3] // 2)
-    dy = torch.randn(out_shape, generator=g).to(dtype).contiguous(memory_format=torch.channels_last)
+    dy = torch.randn(out_shape, generator=g).to(dtype).contiguous(memory_format=fmt)
 
     def step(fn):
         def call():
@@ -112,7 +114,8 @@ def run(ctx: Context) -> list:
     if ctx.is_cuda:
         return []
     return ([bench_shape(ctx, s, d) for d in (torch.bfloat16, torch.float32) for s in SHAPES]
-            + [bench_pool(ctx, s, d) for d in (torch.bfloat16, torch.float32) for s in POOL_SHAPES])
+            + [bench_pool(ctx, s, d) for d in (torch.bfloat16, torch.float32) for s in POOL_SHAPES]
+            + [bench_pool(ctx, POOL_SHAPES[0], d, torch.contiguous_format) for d in (torch.bfloat16, torch.float32)])
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ no scaler), on models small enough that the calls around the kernels show:
   - the Fashion-MNIST CNN of configs/fashion_mnist.yaml (16/32 channels, a
     128-unit layer), batch 128 of 1 x 28 x 28, random images.
 
-Both steps run on copies of one initial model, in float32 and in
+Both steps run on copies of one initial model (fusetrain's with its
+``nn.MaxPool2d`` layers swapped for ``fusetrain.nn.MaxPool2d``, as a user
+swaps them in; same values and gradients), in float32 and in
 mixed_bfloat16 (bfloat16 compute; no loss scaling, so fusetrain's disabled
 GradScaler is in the loop as a user would leave it). Windows of 10 steps,
 interleaved ours / torch, after 2 warm-up windows each; ms per step is the
@@ -33,6 +35,7 @@ sys.path.insert(0, str(HERE.parent / "python"))
 
 import fusetrain  # noqa: E402
 import fusetrain.amp  # noqa: E402
+import fusetrain.nn  # noqa: E402
 import fusetrain.optim  # noqa: E402
 from fusetrain.nn import functional as FF  # noqa: E402
 
@@ -58,6 +61,18 @@ def cnn():
     torch.manual_seed(0)
     model = Cnn([1, 28, 28], [16, 32], [128], 0.0, 10)
     return model, torch.randn(128, 1, 28, 28), torch.randint(0, 10, (128,))
+
+
+def with_fusetrain_pools(model):
+    """``model`` with every ``nn.MaxPool2d`` replaced by ``fusetrain.nn.MaxPool2d``
+    of the same arguments."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.MaxPool2d:
+                setattr(parent, name, fusetrain.nn.MaxPool2d(child.kernel_size, child.stride, child.padding,
+                                                             child.dilation, child.return_indices,
+                                                             child.ceil_mode))
+    return model
 
 
 def ours_step(model, x, y, policy):
@@ -111,7 +126,7 @@ def run(ctx: Context) -> list:
     for label, make in (("smoke GPT 2L d64, batch 2x32", gpt), ("Fashion-MNIST CNN 16/32/128, batch 128", cnn)):
         for policy in ("float32", "mixed_bfloat16"):
             model, x, y = make()
-            fns = {"ours": ours_step(copy.deepcopy(model), x, y, policy),
+            fns = {"ours": ours_step(with_fusetrain_pools(copy.deepcopy(model)), x, y, policy),
                    "torch": torch_step(copy.deepcopy(model), x, y, policy)}
             times = windows(fns, n)
             rows.append(result(
@@ -120,7 +135,8 @@ def run(ctx: Context) -> list:
                 times=times,
                 notes=(f"{ctx.threads} thread(s), median of {n} windows of {WINDOW} steps; ours = "
                        "fusetrain.amp.autocast + fused cross-entropy + GradScaler(enabled=False) + "
-                       "FusedAdamW, torch = torch.autocast + F.cross_entropy + AdamW(fused=True)")))
+                       "FusedAdamW + fusetrain.nn.MaxPool2d, torch = torch.autocast + F.cross_entropy + "
+                       "AdamW(fused=True)")))
     return rows
 
 
