@@ -206,97 +206,87 @@ Shape shape_of(const at::Tensor& input, const Window& k) {
           input.size(2) / k.kh, input.size(3) / k.kw};
 }
 
-bool channels_innermost(at::MemoryFormat format) { return format == at::MemoryFormat::ChannelsLast; }
+// Runs fn(u, n, oh) for output row u = n * OH + oh of a channels-innermost
+// tensor, in parallel.
+template <typename Fn>
+void for_each_window_row(const Shape& s, const Window& k, const Fn& fn) {
+  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(k.kh * s.w * s.c, 1));
+  at::parallel_for(0, s.n * s.oh, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) fn(u, u / s.oh, u % s.oh);
+  });
+}
 
+// Runs fn(u, oh) for every output row oh of every (n, c) plane u of an NCHW
+// tensor, in parallel by planes.
+template <typename Fn>
+void for_each_plane_row(const Shape& s, const Fn& fn) {
+  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(s.h * s.w, 1));
+  at::parallel_for(0, s.n * s.c, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      for (int64_t oh = 0; oh < s.oh; ++oh) fn(u, oh);
+    }
+  });
+}
+
+// `format` is the layout of all three tensors: channels_last or contiguous.
 template <typename T>
-void forward_typed(const at::Tensor& x, const Window& k, at::Tensor& out, at::Tensor& argmax) {
+void forward_typed(const at::Tensor& x, const Window& k, at::MemoryFormat format, at::Tensor& out,
+                   at::Tensor& argmax) {
   const Shape s = shape_of(x, k);
+  const RowLoops<T> loops = row_loops<T>();
   const T* xp = x.const_data_ptr<T>();
   T* op = out.mutable_data_ptr<T>();
   uint8_t* ap = argmax.mutable_data_ptr<uint8_t>();
-  if (channels_innermost(out.suggest_memory_format())) {
-    const RowLoops<T> loops = row_loops<T>();
+  if (format == at::MemoryFormat::ChannelsLast) {
     const int64_t row = s.w * s.c;  // one input row
-    const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(k.kh * row, 1));
-    at::parallel_for(0, s.n * s.oh, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t u = begin; u < end; ++u) {
-        const int64_t n = u / s.oh, oh = u % s.oh;
-        loops.forward(xp + (n * s.h + oh * k.kh) * row, s.c, row, k, s.ow, op + u * s.ow * s.c,
-                      ap + u * s.ow * s.c);
-      }
+    for_each_window_row(s, k, [&](int64_t u, int64_t n, int64_t oh) {
+      loops.forward(xp + (n * s.h + oh * k.kh) * row, s.c, row, k, s.ow, op + u * s.ow * s.c,
+                    ap + u * s.ow * s.c);
     });
     return;
   }
-  const int64_t plane = s.h * s.w, out_plane = s.oh * s.ow;
-  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(plane, 1));
   const bool two_by_two = k.kh == 2 && k.kw == 2;
-  const RowLoops<T> loops = row_loops<T>();
-  at::parallel_for(0, s.n * s.c, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      for (int64_t oh = 0; oh < s.oh; ++oh) {
-        const T* rows = xp + u * plane + oh * k.kh * s.w;
-        const int64_t o = u * out_plane + oh * s.ow;
-        if (two_by_two) {
-          loops.forward_2x2(rows, s.w, s.ow, op + o, ap + o);
-          continue;
-        }
-        for (int64_t ow = 0; ow < s.ow; ++ow) {
-          window_max(rows + ow * k.kw, s.w, 1, k, op + o + ow, ap + o + ow);
-        }
-      }
+  for_each_plane_row(s, [&](int64_t u, int64_t oh) {
+    const T* rows = xp + u * s.h * s.w + oh * k.kh * s.w;
+    const int64_t o = (u * s.oh + oh) * s.ow;
+    if (two_by_two) return loops.forward_2x2(rows, s.w, s.ow, op + o, ap + o);
+    for (int64_t ow = 0; ow < s.ow; ++ow) {
+      window_max(rows + ow * k.kw, s.w, 1, k, op + o + ow, ap + o + ow);
     }
   });
 }
 
 template <typename T>
 void backward_typed(const at::Tensor& grad_out, const at::Tensor& argmax, const Window& k,
-                    at::Tensor& grad_in) {
+                    at::MemoryFormat format, at::Tensor& grad_in) {
   const Shape s = shape_of(grad_in, k);
+  const RowLoops<T> loops = row_loops<T>();
   const T* gp = grad_out.const_data_ptr<T>();
   const uint8_t* ap = argmax.const_data_ptr<uint8_t>();
   T* ip = grad_in.mutable_data_ptr<T>();
-  if (channels_innermost(grad_in.suggest_memory_format())) {
-    const RowLoops<T> loops = row_loops<T>();
+  const auto zero = [](T* p, int64_t n) { std::memset(static_cast<void*>(p), 0, n * sizeof(T)); };
+  if (format == at::MemoryFormat::ChannelsLast) {
     const int64_t row = s.w * s.c;
     const int64_t covered = s.ow * k.kw * s.c;  // of each input row, the part in windows
-    const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(k.kh * row, 1));
-    at::parallel_for(0, s.n * s.oh, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t u = begin; u < end; ++u) {
-        const int64_t n = u / s.oh, oh = u % s.oh;
-        T* rows = ip + (n * s.h + oh * k.kh) * row;
-        loops.backward(gp + u * s.ow * s.c, ap + u * s.ow * s.c, s.c, row, k, s.ow, rows);
-        for (int64_t i = 0; i < k.kh; ++i) {
-          std::memset(static_cast<void*>(rows + i * row + covered), 0, (row - covered) * sizeof(T));
-        }
-        if (oh == s.oh - 1) {  // the rows past the last whole window
-          T* rest = ip + (n * s.h + s.oh * k.kh) * row;
-          std::memset(static_cast<void*>(rest), 0, (s.h - s.oh * k.kh) * row * sizeof(T));
-        }
+    for_each_window_row(s, k, [&](int64_t u, int64_t n, int64_t oh) {
+      T* rows = ip + (n * s.h + oh * k.kh) * row;
+      loops.backward(gp + u * s.ow * s.c, ap + u * s.ow * s.c, s.c, row, k, s.ow, rows);
+      for (int64_t i = 0; i < k.kh; ++i) zero(rows + i * row + covered, row - covered);
+      if (oh == s.oh - 1) {  // the rows past the last whole window
+        zero(ip + (n * s.h + s.oh * k.kh) * row, (s.h - s.oh * k.kh) * row);
       }
     });
     return;
   }
-  const int64_t plane = s.h * s.w, out_plane = s.oh * s.ow;
-  const int64_t grain = std::max<int64_t>(1, kGrain / std::max<int64_t>(plane, 1));
   const bool two_by_two = k.kh == 2 && k.kw == 2;
-  const RowLoops<T> loops = row_loops<T>();
-  at::parallel_for(0, s.n * s.c, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      T* gin = ip + u * plane;
-      if (s.ow * k.kw < s.w || s.oh * k.kh < s.h) {
-        std::memset(static_cast<void*>(gin), 0, plane * sizeof(T));
-      }
-      for (int64_t oh = 0; oh < s.oh; ++oh) {
-        T* rows = gin + oh * k.kh * s.w;
-        const int64_t o = u * out_plane + oh * s.ow;
-        if (two_by_two) {
-          loops.backward_2x2(gp + o, ap + o, s.w, s.ow, rows);
-          continue;
-        }
-        for (int64_t ow = 0; ow < s.ow; ++ow) {
-          window_grad(gp[o + ow], ap[o + ow], s.w, 1, k, rows + ow * k.kw);
-        }
-      }
+  const bool partial = s.ow * k.kw < s.w || s.oh * k.kh < s.h;  // elements in no window
+  for_each_plane_row(s, [&](int64_t u, int64_t oh) {
+    if (oh == 0 && partial) zero(ip + u * s.h * s.w, s.h * s.w);
+    T* rows = ip + u * s.h * s.w + oh * k.kh * s.w;
+    const int64_t o = (u * s.oh + oh) * s.ow;
+    if (two_by_two) return loops.backward_2x2(gp + o, ap + o, s.w, s.ow, rows);
+    for (int64_t ow = 0; ow < s.ow; ++ow) {
+      window_grad(gp[o + ow], ap[o + ow], s.w, 1, k, rows + ow * k.kw);
     }
   });
 }
@@ -311,7 +301,7 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& input, at::IntA
   at::Tensor argmax = at::empty(sizes, input.options().dtype(at::kByte).memory_format(format));
   const Window k = window_of(kernel_size);
   with_element_type(input.scalar_type(), kForwardOp,
-                    [&](auto tag) { forward_typed<decltype(tag)>(x, k, out, argmax); });
+                    [&](auto tag) { forward_typed<decltype(tag)>(x, k, format, out, argmax); });
   return {out, argmax};
 }
 
@@ -329,7 +319,7 @@ at::Tensor backward_cpu(const at::Tensor& grad_out, const at::Tensor& input, con
   const at::Tensor g = grad_out.contiguous(format);
   const at::Tensor a = argmax.contiguous(format);
   with_element_type(input.scalar_type(), kBackwardOp,
-                    [&](auto tag) { backward_typed<decltype(tag)>(g, a, k, grad_in); });
+                    [&](auto tag) { backward_typed<decltype(tag)>(g, a, k, format, grad_in); });
   return grad_in;
 }
 
