@@ -14,6 +14,8 @@
 
 #ifdef FUSETRAIN_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 
 namespace fusetrain::amp {
@@ -32,14 +34,43 @@ Seeded& seeded_of(const c10::intrusive_ptr<torch::CustomClassHolder>& p) {
   return *static_cast<Seeded*>(p.get());
 }
 
+// Whether a CUDA graph capture is recording on the current stream of x's
+// device (no sync; asked only on a layer's first steps).
+bool capturing(const at::Tensor& x) {
+#ifdef FUSETRAIN_WITH_CUDA
+  if (!x.is_cuda()) return false;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(
+      cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(x.device().index()), &status));
+  return status != cudaStreamCaptureStatusNone;
+#else
+  (void)x;
+  return false;
+#endif
+}
+
+// What to do when a capture reaches a layer's first training step.
+// fusetrain::graph::FusedSteps recognises both messages by "Run one eager
+// training step before capturing".
+constexpr const char* kCaptureWarmup =
+    " Run one eager training step before capturing (FusedSteps: warmup_executions >= 1; the "
+    "default runs at least 2)";
+
 // Casts x with the recipe's scale, updating scale[i] and history[i] in place;
 // the first call of operand i seeds its history and marks it in both flags.
+// A delayed cast that would seed while a CUDA graph is being captured is an
+// error: the graph would replay the seeding cast (the tensor's own amax) at
+// every step, and delayed scaling would never take over.
 at::Tensor quantize(const at::Tensor& x, at::ScalarType dtype, const at::Tensor& scale,
                     const at::Tensor& history, const at::Tensor& seeded_buffer, Seeded& seeded,
                     int i, bool delayed, int64_t margin) {
   at::Tensor s = scale.narrow(0, i, 1);
   at::Tensor h = history.select(0, i);
   if (delayed && seeded.value[i]) return ops::fp8_quantize_delayed(x, dtype, s, h, margin);
+  TORCH_CHECK(!delayed || !capturing(x), "Float8Linear: a CUDA graph capture reached the first "
+              "training step of a layer with delayed scaling, which casts with the tensor's own "
+              "amax and seeds the amax history; captured, that first step would replay at every "
+              "step and delayed scaling would never take over.", kCaptureWarmup);
   at::Tensor first = h.narrow(0, 0, 1);  // current scaling, or seeding the history
   at::Tensor q = ops::fp8_quantize_current(x, dtype, s, first, margin);
   if (!seeded.value[i]) {
@@ -64,7 +95,8 @@ at::Tensor pad_rows(const at::Tensor& q) {
 }
 
 // scale_a * scale_b * (a @ b) + bias in out_dtype, a and b float8, fp32
-// accumulation. On CUDA this is at::_scaled_mm. On a CPU torch's _scaled_mm
+// accumulation. On CUDA this is at::_scaled_mm, in fast-accumulation mode
+// where float8_fast_accum(gemm) says so (the forward). On a CPU torch's _scaled_mm
 // runs oneDNN's float8 kernel, a reference loop where the CPU has no float8
 // instructions (measured: 0.5 s for a 1024 x 64 x 256 GEMM on an AVX-512
 // Xeon, 2000x an fp32 GEMM), so the CPU multiplies the operands upcast to
@@ -73,14 +105,15 @@ at::Tensor pad_rows(const at::Tensor& q) {
 // bias apply to the fp32 result, rounded once to out_dtype. Autocast is off
 // for the fp32 GEMM (it would run a CPU mm in bf16).
 // python/fusetrain/float8.py's _scaled_mm is the same sequence of ATen ops.
-at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
-                     const at::Tensor& scale_b, const at::Tensor& bias, at::ScalarType out_dtype) {
+at::Tensor scaled_mm(Float8Gemm gemm, const at::Tensor& a, const at::Tensor& b,
+                     const at::Tensor& scale_a, const at::Tensor& scale_b, const at::Tensor& bias,
+                     at::ScalarType out_dtype) {
   if (a.is_cuda()) {
     const bool fused_bias = bias.defined() && out_dtype != at::kFloat;
     at::Tensor out = at::_scaled_mm(
         a, b, scale_a, scale_b,
         fused_bias ? std::optional<at::Tensor>(bias.to(out_dtype)) : std::nullopt, std::nullopt,
-        out_dtype, /*use_fast_accum=*/true);
+        out_dtype, /*use_fast_accum=*/float8_fast_accum(gemm));
     return bias.defined() && !fused_bias ? out + bias.to(out_dtype) : out;
   }
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
@@ -107,8 +140,17 @@ class Float8LinearFunction : public torch::autograd::Function<Float8LinearFuncti
                                    seeded, kWeight, delayed, recipe.margin);
     const at::Tensor inv_x = scale.select(0, kInput).reciprocal();
     const at::Tensor inv_w = scale.select(0, kWeight).reciprocal();
-    const at::Tensor out = scaled_mm(qx, qw.t(), inv_x, inv_w, bias, out_dtype);
-    ctx->save_for_backward({qx, qw, inv_x, inv_w, scale, history, seeded_buffer});
+    const at::Tensor out = scaled_mm(Float8Gemm::kForward, qx, qw.t(), inv_x, inv_w, bias,
+                                     out_dtype);
+    // The operands of this call (fresh tensors) are saved; the scaling state
+    // is not: it is mutable, and the backward reads and updates it live, as
+    // the Python twin does (its state object rides on the context). Saved,
+    // a layer applied twice in one forward would fail autograd's version
+    // check, its second call having moved the scale and the history on.
+    ctx->save_for_backward({qx, qw, inv_x, inv_w});
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["history"] = history;
+    ctx->saved_data["seeded_buffer"] = seeded_buffer;
     ctx->saved_data["delayed"] = delayed;
     ctx->saved_data["margin"] = recipe.margin;
     ctx->saved_data["seeded"] = c10::IValue::make_capsule(seeded_ptr);
@@ -124,7 +166,9 @@ class Float8LinearFunction : public torch::autograd::Function<Float8LinearFuncti
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &qx = saved[0], &qw = saved[1], &inv_x = saved[2], &inv_w = saved[3];
-    const at::Tensor &scale = saved[4], &history = saved[5], &seeded_buffer = saved[6];
+    const at::Tensor scale = ctx->saved_data["scale"].toTensor();
+    const at::Tensor history = ctx->saved_data["history"].toTensor();
+    const at::Tensor seeded_buffer = ctx->saved_data["seeded_buffer"].toTensor();
     const auto seeded_ptr = ctx->saved_data["seeded"].toCapsule();
     Seeded& seeded = seeded_of(seeded_ptr);
     const at::Tensor g = grads[0].reshape({-1, qw.size(0)});
@@ -134,13 +178,13 @@ class Float8LinearFunction : public torch::autograd::Function<Float8LinearFuncti
     const at::Tensor inv_g = scale.select(0, kGrad).reciprocal();
     at::Tensor grad_input, grad_weight, grad_bias;
     if (ctx->needs_input_grad(0)) {
-      grad_input = scaled_mm(qg, column_major(qw), inv_g, inv_w, {},
+      grad_input = scaled_mm(Float8Gemm::kGradInput, qg, column_major(qw), inv_g, inv_w, {},
                              ctx->saved_data["input_dtype"].toScalarType())
                        .reshape(ctx->saved_data["input_sizes"].toIntVector());
     }
     if (ctx->needs_input_grad(1)) {
       const at::Tensor qg_t = qg.is_cuda() ? pad_rows(qg).t().contiguous() : qg.t();
-      grad_weight = scaled_mm(qg_t, column_major(pad_rows(qx)), inv_g,
+      grad_weight = scaled_mm(Float8Gemm::kGradWeight, qg_t, column_major(pad_rows(qx)), inv_g,
                               inv_x, {}, at::kFloat);
     }
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) {
@@ -269,6 +313,10 @@ at::Tensor Float8LinearImpl::forward(const at::Tensor& input) {
         current, out_dtype, c10::intrusive_ptr<torch::CustomClassHolder>(fresh));
   }
   if (!seeded_known_) {
+    // Reading fp8_seeded syncs with the device, which a capture cannot record.
+    TORCH_CHECK(!capturing(input), "Float8Linear: a CUDA graph capture reached the first training "
+                "forward since this layer was made, reset or loaded (state_loaded()), which reads "
+                "fp8_seeded from the device once.", kCaptureWarmup);
     const at::Tensor seen = fp8_seeded.cpu();
     for (int i = 0; i < 3; ++i) seeded_of(seeded_).value[i] = seen[i].item<uint8_t>() != 0;
     seeded_known_ = true;

@@ -28,6 +28,19 @@ struct Float8Recipe {
   int64_t history_len() const { return scaling == Scaling::kDelayed ? amax_history_len : 1; }
 };
 
+/// The three GEMMs of a Float8Linear step.
+enum class Float8Gemm {
+  kForward,     ///< output = input x weight^T
+  kGradInput,   ///< input gradient = output gradient x weight
+  kGradWeight,  ///< weight gradient = output gradient^T x input, summed over every row
+};
+
+/// Whether `gemm` runs in cuBLAS' fast-accumulation mode (at::_scaled_mm's
+/// use_fast_accum; on Hopper its partial sums keep about 14 bits): the
+/// forward only. Both backward GEMMs accumulate exactly, as in Transformer
+/// Engine and torchao: the weight gradient sums over every token of the batch.
+constexpr bool float8_fast_accum(Float8Gemm gemm) { return gemm == Float8Gemm::kForward; }
+
 /// Layers at least this wide (in and out features) run in float8 by default.
 constexpr int64_t kDefaultFp8MinFeatures = 1024;
 
@@ -48,7 +61,11 @@ void check_float8_device(const c10::Device& device);
 /// gradient), "fp8_amax_history" [3, H] and "fp8_seeded" [3] (uint8: which
 /// delayed histories hold data). Under autocast the output is in
 /// the autocast dtype, else in the input's. In eval mode each tensor is
-/// scaled by itself and the scaling state is left alone.
+/// scaled by itself and the scaling state is left alone. A layer may be
+/// applied several times in one forward: each backward reads and updates the
+/// scaling state as it is when it runs. With delayed scaling, a CUDA graph
+/// capture of a training step needs one eager step first (it seeds the
+/// histories); capturing the first step throws.
 class Float8LinearImpl : public torch::nn::Cloneable<Float8LinearImpl> {
  public:
   Float8LinearImpl(int64_t in_features, int64_t out_features, bool bias = true,

@@ -39,7 +39,10 @@ constexpr int64_t kDdpWarmupSteps = 11;
   // The first line of the error, without torch's backtrace.
   const std::string first = what.substr(0, what.find('\n'));
   std::string cause;
-  if (what.find("capturable") != std::string::npos) {
+  if (what.find("Run one eager training step before capturing") != std::string::npos) {
+    // fusetrain::amp::Float8Linear: a layer would seed its delayed scaling in the graph.
+    cause = "a Float8Linear has not run an eager training step yet (set warmup_executions >= 1)";
+  } else if (what.find("capturable") != std::string::npos) {
     cause = "the optimizer is not capturable (use fusetrain::optim::FusedAdamW or FusedSGD, which "
             "read the loss scale, the overflow flag, the step counts and, with set_lr_tensor, the "
             "learning rate on the device)";

@@ -19,8 +19,9 @@ using StepFn = std::function<at::Tensor(const std::vector<at::Tensor>& batch)>;
 struct FusedStepsOptions {
   int64_t steps_per_execution = 1;
   /// Executions run eagerly before capture (they allocate optimizer state and
-  /// workspaces; DDP needs >= 11 eager iterations before capture). -1: the
-  /// fewest executions holding 11 steps, and at least 2.
+  /// workspaces; DDP needs >= 11 eager iterations before capture, a
+  /// Float8Linear >= 1 to seed its scaling state). -1: the fewest executions
+  /// holding 11 steps, and at least 2.
   int64_t warmup_executions = -1;
   /// Capture CUDA graphs when the batches are on a CUDA device.
   bool use_cuda_graph = true;

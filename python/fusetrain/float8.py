@@ -22,7 +22,9 @@ per-tensor scale, chosen by a :class:`Float8Recipe` (Note [Float8 scaling] in
   same pass. An inf/NaN amax is recorded but never used.
 
 Both run on the device without a host sync (``fusetrain::fp8_quantize_*``),
-so a step can be captured in a ``fuse_steps`` CUDA graph. The scaling state
+so a step can be captured in a ``fuse_steps`` CUDA graph; with delayed
+scaling, after one eager training step (a capture that reaches the seeding
+first step is an error: the graph would replay it forever). The scaling state
 is two buffers, saved in checkpoints:
 
 - ``fp8_scale`` ``[3]``: the scales last used for input, weight and output
@@ -137,6 +139,28 @@ def _check_fp8_device(device: torch.device) -> None:
     )
 
 
+#: Raised when a CUDA graph capture reaches a delayed cast that would seed its
+#: history: captured, the seeding cast (the tensor's own amax) would replay at
+#: every step and delayed scaling would never take over. fusetrain.graph
+#: recognises it by "Run one eager training step before capturing".
+_UNSEEDED_CAPTURE_ERROR = (
+    "Float8Linear: a CUDA graph capture reached the first training step of a layer with "
+    "delayed scaling, which casts with the tensor's own amax and seeds the amax history; "
+    "captured, that first step would replay at every step and delayed scaling would never "
+    "take over. Run one eager training step before capturing (fuse_steps(..., "
+    "warmup_executions=1) or more; the default runs 2)"
+)
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    """Whether a CUDA graph capture is recording on the current stream of x's
+    device (no sync; asked only on a layer's first steps)."""
+    if not x.is_cuda:
+        return False
+    with torch.cuda.device(x.device):
+        return torch.cuda.is_current_stream_capturing()
+
+
 class _Float8State:
     """What the autograd function reads and updates: the scaling buffers, the
     recipe, and per operand whether its delayed history holds data yet (a
@@ -152,8 +176,12 @@ class _Float8State:
     def quantize(self, x: torch.Tensor, dtype, i: int) -> torch.Tensor:
         """x in float8 with operand i's scale, updating its scale and history."""
         scale, history, margin = self.scale[i : i + 1], self.history[i], self.recipe.margin
-        if self.recipe.scaling == "delayed" and self.seeded[i]:
+        delayed = self.recipe.scaling == "delayed"
+        if delayed and self.seeded[i]:
             return torch.ops.fusetrain.fp8_quantize_delayed(x, dtype, scale, history, margin)
+        if delayed and _capturing(x):
+            # Checked before anything of this call is recorded or flagged.
+            raise RuntimeError(_UNSEEDED_CAPTURE_ERROR)
         # Current scaling, and the first delayed call, which seeds history[0].
         q = torch.ops.fusetrain.fp8_quantize_current(x, dtype, scale, history[:1], margin)
         if not self.seeded[i]:
@@ -181,9 +209,12 @@ def _pad_rows(q: torch.Tensor, multiple: int) -> torch.Tensor:
     return bytes_.view(q.dtype)
 
 
-def _scaled_mm(a, b, scale_a, scale_b, bias, out_dtype):
+def _scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, *, use_fast_accum: bool):
     """``scale_a * scale_b * (a @ b) + bias`` in ``out_dtype``, ``a`` and ``b``
-    float8, fp32 accumulation: ``torch._scaled_mm`` on CUDA. On a CPU torch's
+    float8, fp32 accumulation: ``torch._scaled_mm`` on CUDA, where
+    ``use_fast_accum`` picks cuBLAS' fast accumulation (on Hopper partial sums
+    keep about 14 bits: the forward GEMM only, see the module doc; the CPU's
+    sum is exact either way). On a CPU torch's
     ``_scaled_mm`` is oneDNN's float8 kernel, a reference loop on CPUs without
     float8 instructions (0.5 s for a 1024 x 64 x 256 GEMM on an AVX-512 Xeon),
     so the CPU multiplies the operands upcast to float32 (float8 values and
@@ -195,7 +226,7 @@ def _scaled_mm(a, b, scale_a, scale_b, bias, out_dtype):
         out = torch._scaled_mm(
             a, b, scale_a=scale_a, scale_b=scale_b,
             bias=bias.to(out_dtype) if fused_bias else None,
-            out_dtype=out_dtype, use_fast_accum=True,
+            out_dtype=out_dtype, use_fast_accum=use_fast_accum,
         )
         return out + bias.to(out_dtype) if bias is not None and not fused_bias else out
     with torch.autocast(a.device.type, enabled=False):
@@ -214,7 +245,7 @@ class _Float8LinearFunction(torch.autograd.Function):
         # The dequantisation factors of these casts; the buffers move on.
         inv_x = state.scale[_INPUT].reciprocal()
         inv_w = state.scale[_WEIGHT].reciprocal()
-        out = _scaled_mm(qx, qw.t(), inv_x, inv_w, bias, out_dtype)
+        out = _scaled_mm(qx, qw.t(), inv_x, inv_w, bias, out_dtype, use_fast_accum=True)
         ctx.save_for_backward(qx, qw, inv_x, inv_w)
         ctx.state = state
         ctx.input_shape, ctx.input_dtype = input.shape, input.dtype
@@ -229,16 +260,18 @@ class _Float8LinearFunction(torch.autograd.Function):
         qg = state.quantize(g, torch.float8_e5m2, _GRAD)
         inv_g = state.scale[_GRAD].reciprocal()
         grad_input = grad_weight = grad_bias = None
+        # Both backward GEMMs accumulate exactly (the weight gradient sums
+        # over every token of the batch).
         if ctx.needs_input_grad[0]:
             grad_input = _scaled_mm(
-                qg, _column_major(qw), inv_g, inv_w, None, ctx.input_dtype
+                qg, _column_major(qw), inv_g, inv_w, None, ctx.input_dtype, use_fast_accum=False
             ).reshape(ctx.input_shape)
         if ctx.needs_input_grad[1]:
             multiple = 16 if qg.is_cuda else 1
             grad_weight = _scaled_mm(
                 _pad_rows(qg, multiple).t().contiguous() if qg.is_cuda else qg.t(),
                 _column_major(_pad_rows(qx, multiple)),
-                inv_g, inv_x, None, torch.float32,
+                inv_g, inv_x, None, torch.float32, use_fast_accum=False,
             )
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = g.sum(0, dtype=torch.float32)

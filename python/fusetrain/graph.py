@@ -241,7 +241,13 @@ def _capture_failure(e: BaseException) -> str:
         e = e.__context__
     text = " ".join(str(x) for x in chain)
     e = chain[-1]
-    if "capturable" in text:
+    if "Run one eager training step before capturing" in text:
+        # fusetrain.float8: a layer would seed its delayed scaling in the graph.
+        cause = (
+            "a Float8Linear with delayed scaling has not run an eager training step yet (pass "
+            "warmup_executions >= 1)"
+        )
+    elif "capturable" in text:
         cause = (
             "the optimizer is not capturable (use fusetrain.optim.FusedAdamW / FusedSGD, which "
             "read the loss scale, the overflow flag and the step counts on the device, or a torch "
@@ -274,7 +280,8 @@ def fuse_steps(
     device; ``sample_batch`` fixes the shapes. Keywords:
 
     - ``warmup_executions``: executions run eagerly before the capture
-      (default: enough for 11 eager steps, and at least 2);
+      (default: enough for 11 eager steps, and at least 2; a Float8Linear with
+      delayed scaling needs at least 1, which seeds its amax histories);
     - ``use_cuda_graph`` (default True): on CUDA, capture the K steps as a
       CUDA graph;
     - ``use_compile`` (default: True on a TPU, else False): compile the K

@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 import fusetrain.amp
+import fusetrain.graph
 import fusetrain.optim
+from fusetrain import float8
 from fusetrain.amp import Float8Linear, Float8Recipe, Policy, apply_policy
 from fusetrain.float8 import _check_fp8_device
 
@@ -309,6 +311,34 @@ def test_the_weight_gradient_carries_an_overflow_to_the_scaler():
     assert np.isinf(layer.fp8_amax_history[2, 0].item())
 
 
+def record_gemms(monkeypatch, module, name):
+    """Replaces module.name (a _scaled_mm) by one that records (output shape,
+    use_fast_accum) of each call; returns the list."""
+    calls = []
+    original = getattr(module, name)
+
+    def recording(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls.append((tuple(out.shape), kwargs["use_fast_accum"]))
+        return out
+
+    monkeypatch.setattr(module, name, recording)
+    return calls
+
+
+def test_only_the_forward_gemm_uses_fast_accumulation(monkeypatch):
+    # The flag each GEMM hands torch._scaled_mm on CUDA (the CPU's sum is
+    # exact either way): fast accumulation keeps partial sums at about 14
+    # bits on Hopper, so the backward GEMMs, the weight gradient summing over
+    # every token, accumulate exactly (Transformer Engine's and torchao's choice).
+    calls = record_gemms(monkeypatch, float8, "_scaled_mm")
+    layer = Float8Linear(32, 16)
+    x = torch.randn(24, 32, requires_grad=True)
+    layer(x).backward(torch.randn(24, 16))
+    # Output [24, 16], input gradient [24, 32], weight gradient [16, 32].
+    assert sorted(calls) == sorted([((24, 16), True), ((24, 32), False), ((16, 32), False)])
+
+
 def test_delayed_recipe_seeds_then_uses_the_history():
     torch.manual_seed(0)
     layer = Float8Linear(32, 16, recipe=Float8Recipe("delayed", amax_history_len=3))
@@ -328,6 +358,50 @@ def test_delayed_recipe_seeds_then_uses_the_history():
     assert scales[1] == reference_scale(amaxes[-1], scales[0], E4M3)
     assert scales[2] == reference_scale(max(amaxes[-2:]), scales[1], E4M3)
     assert scales[3] == reference_scale(max(amaxes[-3:]), scales[2], E4M3)
+
+
+def test_a_capture_of_the_seeding_first_step_is_refused(monkeypatch):
+    # A delayed layer's first step casts with the tensor's own amax and seeds
+    # the history; a CUDA graph capturing it would replay that path forever.
+    # float8._capturing asks CUDA whether a capture is recording; here it
+    # answers what the test says.
+    capturing = [True]
+    monkeypatch.setattr(float8, "_capturing", lambda x: capturing[0])
+    layer = Float8Linear(32, 16, recipe=Float8Recipe("delayed", amax_history_len=4))
+    x = torch.randn(8, 32)
+    with pytest.raises(RuntimeError, match=r"warmup_executions=1") as refused:
+        layer(x)
+    # Refused before anything was cast or marked.
+    assert layer._fp8_seeded == [False, False, False]
+    assert not layer.fp8_seeded.any() and not layer.fp8_amax_history.any()
+    assert torch.equal(layer.fp8_scale, torch.ones(3))
+    # fuse_steps names the cause and what to do.
+    assert "has not run an eager training step yet (pass warmup_executions >= 1)" in (
+        fusetrain.graph._capture_failure(refused.value)
+    )
+
+    # An eager forward seeds the input and the weight; the output gradient,
+    # seeded by a backward, still refuses.
+    capturing[0] = False
+    with torch.no_grad():
+        layer(x)
+    capturing[0] = True
+    y = layer(x)
+    with pytest.raises(RuntimeError, match="Run one eager training step before capturing"):
+        y.sum().backward()
+    assert layer._fp8_seeded == [True, True, False]
+
+    # After one eager training step a captured one casts with the histories.
+    capturing[0] = False
+    layer(x).sum().backward()
+    capturing[0] = True
+    history = layer.fp8_amax_history.clone()
+    layer(x * 2).sum().backward()
+    assert torch.equal(layer.fp8_amax_history[:, 1:], history[:, :-1])  # rolled: delayed casts
+    # Current scaling casts every step alike: its first step may be captured.
+    current = Float8Linear(32, 16, recipe="current")
+    current(x).sum().backward()
+    assert current._fp8_seeded == [True, True, True]
 
 
 def test_evaluation_scales_by_the_tensor_and_leaves_the_state_alone():
@@ -653,6 +727,18 @@ def test_cuda_quantize_captures_in_a_graph():
 
 
 @pytest.mark.cuda
+def test_cuda_only_the_forward_gemm_uses_fast_accumulation(monkeypatch):
+    if not fp8_cuda_available():
+        pytest.skip("float8 GEMMs need compute capability >= 8.9")
+    calls = record_gemms(monkeypatch, torch, "_scaled_mm")
+    layer = Float8Linear(64, 32).cuda()
+    x = torch.randn(40, 64, device="cuda", requires_grad=True)
+    layer(x).backward(torch.randn(40, 32, device="cuda"))
+    # Output [40, 32], input gradient [40, 64], weight gradient [32, 64].
+    assert sorted(calls) == sorted([((40, 32), True), ((40, 64), False), ((32, 64), False)])
+
+
+@pytest.mark.cuda
 def test_cuda_float8_linear_matches_the_cpu():
     if not fp8_cuda_available():
         with pytest.raises(RuntimeError, match="compute capability"):
@@ -702,11 +788,11 @@ def _fp8_steps(device, recipe):
     return model, step, batches
 
 
-def _fused_equals_unfused(device, recipe):
+def _fused_equals_unfused(device, recipe, **fuse_kwargs):
     ref_model, ref_step, batches = _fp8_steps(device, recipe)
     ref_losses = torch.stack([ref_step(*b) for b in batches])
     model, step, _ = _fp8_steps(device, recipe)
-    fused = fusetrain.fuse_steps(step, batches[0], steps_per_execution=4)
+    fused = fusetrain.fuse_steps(step, batches[0], steps_per_execution=4, **fuse_kwargs)
     losses = torch.cat([fused(batches[i:i + 4]) for i in range(0, 16, 4)])
     assert torch.equal(losses, ref_losses)
     for (name, a), b in zip(model.state_dict().items(), ref_model.state_dict().values()):
@@ -724,3 +810,20 @@ def test_cuda_graph_of_float8_steps_equals_eager_steps(recipe):
     if not fp8_cuda_available():
         pytest.skip("float8 GEMMs need compute capability >= 8.9")
     _fused_equals_unfused("cuda", recipe)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_of_float8_steps_needs_one_eager_execution_first():
+    if not fp8_cuda_available():
+        pytest.skip("float8 GEMMs need compute capability >= 8.9")
+    model, step, batches = _fp8_steps("cuda", "delayed")
+    fused = fusetrain.fuse_steps(step, batches[0], steps_per_execution=4, warmup_executions=0)
+    with pytest.raises(RuntimeError, match=r"has not run an eager training step yet"):
+        fused(batches[:4])
+    assert not fused.captured
+    for layer in (model[0], model[2]):
+        assert layer._fp8_seeded == [False, False, False]
+        assert not layer.fp8_seeded.any() and not layer.fp8_amax_history.any()
+    # One eager execution seeds the histories; the graph then replays delayed
+    # scaling, step for step as eager steps.
+    _fused_equals_unfused("cuda", "delayed", warmup_executions=1)
