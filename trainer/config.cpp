@@ -260,14 +260,19 @@ const std::vector<KeySpec>& config_schema() {
           "optimizer steps of the run (0: epochs x steps per epoch); the schedule follows it", {},
           0, 1e15),
       key("train.max_time_s", K::kFloat, "0",
-          "stop after this many seconds of the run (at the next host synchronisation), evaluate "
-          "and write the final checkpoint; the schedule still follows the planned steps (0: no "
-          "limit)", {}, 0, 1e9),
+          "stop after this many seconds of the run (at the next stop check, train.sync_every), "
+          "evaluate and write the final checkpoint; the schedule still follows the planned steps "
+          "(0: no limit)", {}, 0, 1e9),
       key("train.grad_accum", K::kInt, "1", "micro-batches accumulated per optimizer step", {}, 1,
           1 << 20),
       key("train.steps_per_execution", K::kInt, "1",
-          "steps run between host synchronisations (logging, progress, stop checks)", {}, 1,
-          1 << 20),
+          "steps run as one execution (one CUDA graph on cuda); host synchronisations (logging, "
+          "evaluation, checkpoints, stop checks) fall on execution bounds", {}, 1, 1 << 20),
+      key("train.sync_every", K::kInt, "0",
+          "steps between stop checks (Ctrl-C, train.max_time_s), the host synchronisations beside "
+          "logging, evaluation and checkpoints, at the first execution bound at or past each "
+          "multiple; 0: measured as the run goes, the fewest steps over which a check costs under "
+          "1% of their time", {}, 0, 1e15),
       key("train.cuda_graphs", K::kBool, "true",
           "cuda: capture each execution of steps_per_execution > 1 steps as one CUDA graph"),
       key("train.clip_grad_norm", K::kFloat, "0", "clip the global gradient L2 norm (0: off)", {},

@@ -176,7 +176,8 @@ int run_train(int argc, char** argv) {
       ("master-port", "runtime.master_port: the rendezvous store's port on host 0",
        cxxopts::value<std::string>())
       ("epochs", "train.epochs", cxxopts::value<std::string>())
-      ("steps-per-execution", "train.steps_per_execution: steps between host synchronisations",
+      ("steps-per-execution",
+       "train.steps_per_execution: steps per execution (one CUDA graph on cuda)",
        cxxopts::value<std::string>())
       ("precision", "precision.policy: auto, float32, mixed_float16, mixed_bfloat16 or mixed_float8",
        cxxopts::value<std::string>())

@@ -14,7 +14,8 @@
 //    ranks; the generator's state at save time is stored as well;
 //  - logging, progress, evaluation and checkpointing read values but never
 //    change the training state, and host synchronisation points
-//    (steps_per_execution) change only when values are read.
+//    (steps_per_execution, train.sync_every; Note [Host synchronisation
+//    points]) change only when values are read.
 // On CUDA with steps_per_execution > 1 the steps of an execution replay one
 // CUDA graph: the learning rate comes from a device tensor written inside
 // the graph, and random draws (dropout) follow one stream per execution,
@@ -47,6 +48,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -58,6 +60,51 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr int64_t kFormatVersion = 1;
+
+// Note [Host synchronisation points]
+// On a device the host enqueues steps ahead of the GPU and waits for it only
+// where the loop reads a value: at a logging step, an evaluation (an epoch's
+// end, train.eval_every), a checkpoint, and a stop check (Ctrl-C,
+// train.max_time_s). Between them executions are launched back to back. A
+// sync point is a decision every rank must take at the same step (each
+// holds collectives), so it depends on the step alone, and on the stop-check
+// cadence S, which every rank takes from the same allreduced values:
+//  - train.sync_every N > 0: S = N, a check when the step reaches or passes a
+//    multiple of N (at the end of an execution; executions are aligned to
+//    the epoch);
+//  - train.sync_every 0 (the default): S is measured. Every sync point ends
+//    with the stop check, an allreduce (max) of [interrupted, out of time,
+//    this rank's cost of a check, its time per step since the last sync
+//    point]. The cost of a check is the host time from the device having
+//    drained to the next launch (the device idles that long), measured at
+//    the points that were nothing but a stop check, the least of the last
+//    kCheckCostSamples (a preempted check is not its cost); the time per step
+//    is the wall time of those steps, device drained at both ends. From the
+//    reduced values every rank computes the same next S =
+//    ceil(cost / (kStopCheckShare x step)): the fewest steps over which a
+//    check costs under 1% of the time. S starts at 1 (nothing is measured
+//    yet) and follows the run (warm-up steps are slow, so S starts small).
+// Every sync point also checks for a stop (the allreduce is small next to
+// the sync it joins), so stops happen at sync points only, on every rank at
+// the same step, and a checkpoint there resumes exactly. Window and epoch
+// times are measured between sync points, where the device has drained
+// (host time stamps elsewhere would measure only enqueueing); the progress
+// bar is redrawn at sync points.
+constexpr double kStopCheckShare = 0.01;
+constexpr size_t kCheckCostSamples = 4;
+
+/// train.sync_every=0's steps between stop checks (Note [Host
+/// synchronisation points]): the fewest over which one check, costing
+/// `check_s`, takes under kStopCheckShare of the steps' time (`step_s` each).
+int64_t stop_check_cadence(double check_s, double step_s) {
+  if (!(check_s > 0) || !(step_s > 0)) return 1;
+  const double steps = std::ceil(check_s / (kStopCheckShare * step_s));
+  return static_cast<int64_t>(std::clamp(steps, 1.0, 1e9));
+}
+
+double seconds_between(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
 
 // ------------------------------------------------------------------ trainer
 
@@ -179,7 +226,21 @@ class Trainer {
   int64_t epoch_steps_ = 0;
   double window_seconds_ = 0.0;
   double epoch_seconds_ = 0.0;
+  // Since the last sync point (Note [Host synchronisation points]).
   Clock::time_point segment_start_;
+  int64_t segment_steps_ = 0;
+  // The loop's host synchronisations, for the run's summary.
+  int64_t sync_points_ = 0;
+  // Steps between stop checks, and this rank's latest costs of a check alone
+  // (0: not measured).
+  int64_t check_every_ = 1;
+  std::array<double, kCheckCostSamples> check_costs_{};
+  size_t next_check_cost_ = 0;
+  // The last agreed (allreduced) cost of a check and time per step.
+  double agreed_check_s_ = 0.0;
+  double agreed_step_s_ = 0.0;
+  /// The least measured cost of a check alone on this rank (0: none yet).
+  double check_cost() const;
   Clock::time_point run_start_;
   std::string last_checkpoint_;
   EvalResult last_eval_;
@@ -611,6 +672,14 @@ void Trainer::write_metrics(const Record& record) {
   if (rank0_) metrics_.write(record);
 }
 
+double Trainer::check_cost() const {
+  double least = 0.0;
+  for (const double c : check_costs_) {
+    if (c > 0 && (least == 0.0 || c < least)) least = c;
+  }
+  return least;
+}
+
 double Trainer::elapsed_s() const {
   return std::chrono::duration<double>(Clock::now() - run_start_).count();
 }
@@ -773,36 +842,60 @@ int Trainer::run() {
   const int64_t ckpt_every = config_.get_int("output.checkpoint_every");
   const int64_t eval_every = config_.get_int("train.eval_every");
   int64_t last_eval_step = step_;
-  int64_t last_log = step_, last_ckpt = step_;
+  int64_t last_log = step_, last_ckpt = step_, last_check = step_;
+  const int64_t sync_every = config_.get_int("train.sync_every");
+  check_every_ = sync_every > 0 ? sync_every : 1;
   segment_start_ = Clock::now();
   const double max_time = config_.get_float("train.max_time_s");
-  // [interrupted, out of time] on some rank: every rank stops at the same step.
-  const at::Tensor stop_flags = at::zeros({2}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  // [interrupted, out of time, cost of a stop check (s), time per step (s)],
+  // the largest over the ranks: every rank stops, and sets the cadence of
+  // the stop checks, at the same step.
+  const at::Tensor stop_flags =
+      at::zeros({4}, at::TensorOptions().dtype(at::kFloat).device(device_));
   bool out_of_time = false;
   prepare_fused_steps(k);
   while (step_ < total_steps_) {
-    // Host synchronisation points: every K steps of an epoch and at its end.
-    // All decisions that involve collectives depend on the step alone, so
-    // every rank takes them at the same point.
+    // Executions: every K steps of an epoch and at its end. All decisions
+    // that involve collectives depend on the step (and the agreed cadence)
+    // alone, so every rank takes them at the same point; see Note [Host
+    // synchronisation points].
     const int64_t in_epoch = step_ % steps_per_epoch_;
     const int64_t n = std::min({k - in_epoch % k, steps_per_epoch_ - in_epoch, total_steps_ - step_});
     run_steps(step_, n);
     step_ += n;
     window_steps_ += n;
     epoch_steps_ += n;
+    segment_steps_ += n;
     const bool epoch_end = step_ % steps_per_epoch_ == 0 || step_ == total_steps_;
+    const bool log = step_ / log_every > last_log / log_every || step_ == total_steps_;
+    const bool eval = eval_every > 0 && step_ / eval_every > last_eval_step / eval_every;
+    if (eval_every > 0) last_eval_step = step_;
+    const bool ckpt =
+        ckpt_every > 0 && step_ / ckpt_every > last_ckpt / ckpt_every && step_ < total_steps_;
+    const bool check = step_ / check_every_ > last_check / check_every_;
+    if (!epoch_end && !log && !eval && !ckpt && !check) continue;  // no value read: run ahead
+
     if (device_.is_cuda()) torch::cuda::synchronize(device_.index());
-    const auto now = Clock::now();
-    const double elapsed = std::chrono::duration<double>(now - segment_start_).count();
+    ++sync_points_;
+    const auto synced = Clock::now();
+    const double elapsed = seconds_between(segment_start_, synced);
     window_seconds_ += elapsed;
     epoch_seconds_ += elapsed;
 
+    const double step_s = elapsed / static_cast<double>(segment_steps_);
     stop_flags.copy_(at::tensor({stop_requested() ? 1.0F : 0.0F,
-                                 max_time > 0 && elapsed_s() >= max_time ? 1.0F : 0.0F}));
+                                 max_time > 0 && elapsed_s() >= max_time ? 1.0F : 0.0F,
+                                 static_cast<float>(check_cost()), static_cast<float>(step_s)}));
     world_.allreduce_max_(stop_flags);
     const at::Tensor flags = stop_flags.cpu();
-    const bool stop = flags[0].item<float>() > 0;
-    out_of_time = flags[1].item<float>() > 0 && step_ < total_steps_;
+    const float* agreed = flags.const_data_ptr<float>();
+    const bool stop = agreed[0] > 0;
+    out_of_time = agreed[1] > 0 && step_ < total_steps_;
+    agreed_check_s_ = agreed[2];
+    agreed_step_s_ = agreed[3];
+    if (sync_every == 0) check_every_ = stop_check_cadence(agreed_check_s_, agreed_step_s_);
+    last_check = step_;
+    segment_steps_ = 0;
 
     if (rank0_ && progress_->is_bar()) {
       const int64_t in_epoch = (step_ - 1) % steps_per_epoch_ + 1;
@@ -813,18 +906,17 @@ int Trainer::run() {
                               rate, eta),
                      epoch_end);
     }
-    if (step_ / log_every > last_log / log_every || step_ == total_steps_) {
+    if (log) {
       log_window(step_);
       last_log = step_;
     }
     if (epoch_end && !stop) {
       end_epoch(step_);
-    } else if (eval_every > 0 && step_ / eval_every > last_eval_step / eval_every && !stop) {
+    } else if (eval && !stop) {
       end_epoch(step_, /*epoch_end=*/false);
     } else if (out_of_time && !stop) {
       end_epoch(step_, /*epoch_end=*/false);  // the run's final validation
     }
-    if (eval_every > 0) last_eval_step = step_;
     if (stop) {
       save_checkpoint("interrupted");
       say(fmt::format("interrupted at step {}: continue with  fusetrain train --resume {}", step_,
@@ -836,11 +928,16 @@ int Trainer::run() {
       say(fmt::format("train.max_time_s={:g} s reached at step {} of {}", max_time, step_, total_steps_));
       break;
     }
-    if (ckpt_every > 0 && step_ / ckpt_every > last_ckpt / ckpt_every && step_ < total_steps_) {
+    if (ckpt) {
       save_checkpoint("every " + std::to_string(ckpt_every) + " steps");
       last_ckpt = step_;
     }
     segment_start_ = Clock::now();
+    if (!epoch_end && !log && !eval && !ckpt) {
+      // A stop check alone: the device idled from `synced` to the next launch.
+      check_costs_[next_check_cost_] = seconds_between(synced, segment_start_);
+      next_check_cost_ = (next_check_cost_ + 1) % check_costs_.size();
+    }
   }
   save_checkpoint("final");
   say(fmt::format("done: {} steps in {}; test accuracy {:.2f}%, test loss {:.4f}{}; checkpoint {}",
@@ -850,6 +947,11 @@ int Trainer::run() {
                                : fmt::format("; EMA accuracy {:.2f}%, loss {:.4f}",
                                              100.0 * last_ema_eval_.accuracy, last_ema_eval_.loss),
                   last_checkpoint_));
+  say(fmt::format("  host: {} synchronisations in {} steps; stop checks every {} step{} ({})",
+                  sync_points_, step_ - start_step_, check_every_, check_every_ == 1 ? "" : "s",
+                  sync_every > 0 ? "train.sync_every"
+                                 : fmt::format("measured: a check {:.0f} us, a step {:.0f} us",
+                                               1e6 * agreed_check_s_, 1e6 * agreed_step_s_)));
   if (loader_) {
     say(fmt::format("  data: the steps waited {:.3f} s in all for the loader thread ({} steps ahead)",
                     loader_->wait_seconds(), prefetch));

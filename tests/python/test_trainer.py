@@ -448,6 +448,44 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path, nproc):
     assert f"resumed from {saved[0]} at step {step}" in p.stdout
 
 
+@pytest.mark.parametrize("k, stop_step, syncs, log_steps", [
+    # K = 1: stop checks at 5, 10, ..., 30; logs at 12, 24, 32; epoch ends 16, 32.
+    (1, 5, 10, [12, 24, 32]),
+    # K = 3, executions ending at 3, 6, 9, 12, 15, 16, 19, ..., 31, 32: the
+    # checks fall at the first bound at or past each multiple of 5 (6, 12, 15,
+    # 22, 25, 31), the logs at 12, 25, 32.
+    (3, 6, 8, [12, 25, 32]),
+])
+def test_stop_checks_follow_sync_every_on_every_rank(tmp_path, k, stop_step, syncs, log_steps):
+    # train.sync_every=5 on two ranks, 32 steps: the host synchronises at the
+    # stop checks and where a value is read (logging, epoch ends) and nowhere
+    # else, with the same results as synchronising at every execution.
+    # train.max_time_s already spent at the start stops the run at the first
+    # stop check, on both ranks (a rank that checked at another step would
+    # leave the other waiting in a collective), and resuming from there ends
+    # with the uninterrupted bits.
+    common = ("--nproc", "2", "--steps-per-execution", k, "--set", "train.log_every=12",
+              "--set", "output.checkpoint_every=0")
+    every = ok(train(tmp_path / "every", *common, "--set", "train.sync_every=1", timeout=120))
+    executions = 32 if k == 1 else 12
+    assert f"host: {executions} synchronisations in 32 steps; stop checks every 1 step (train.sync_every)" in every.stdout
+    five = ok(train(tmp_path / "five", *common, "--set", "train.sync_every=5", timeout=120))
+    assert f"host: {syncs} synchronisations in 32 steps; stop checks every 5 steps (train.sync_every)" \
+        in five.stdout, five.stdout
+    final = load(checkpoints(tmp_path / "every")[-1])
+    assert_same_state(final, load(checkpoints(tmp_path / "five")[-1]))
+    assert [r["step"] for r in records(tmp_path / "five", "train")] == log_steps
+    assert [r["step"] for r in records(tmp_path / "five", "eval")] == [16, 32]
+
+    cut = ok(train(tmp_path / "cut", *common, "--set", "train.sync_every=5", "--set", "train.max_time_s=0.001",
+                   timeout=120))
+    assert f"train.max_time_s=0.001 s reached at step {stop_step} of 32" in cut.stdout, cut.stdout
+    saved = checkpoints(tmp_path / "cut")
+    assert [int(load(c)["trainer.step"]) for c in saved] == [stop_step]
+    ok(train(tmp_path / "resumed", *common, "--set", "train.sync_every=5", "--resume", saved[0], timeout=120))
+    assert_same_state(final, load(checkpoints(tmp_path / "resumed")[-1]))
+
+
 def test_a_failing_rank_stops_the_others(tmp_path):
     proc = subprocess.Popen([str(BIN), "train", "--config", str(TINY), "--run-dir", str(tmp_path / "run"),
                              "--epochs", "500", "--nproc", "2", "--set", "output.checkpoint_every=0"],
