@@ -106,6 +106,26 @@ std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<at:
   return buckets;
 }
 
+std::vector<int64_t> compute_bucket_offsets(const std::vector<int64_t>& numels,
+                                            int64_t element_size) {
+  TORCH_CHECK(element_size > 0, "compute_bucket_offsets: element_size must be positive, got ",
+              element_size);
+  // Elements per aligned step: 4 float32, 8 bfloat16; 1 for 16-byte elements.
+  const int64_t step = std::max<int64_t>(1, kBucketAlignmentBytes / element_size);
+  std::vector<int64_t> offsets;
+  offsets.reserve(numels.size() + 1);
+  int64_t end = 0;
+  for (size_t k = 0; k < numels.size(); ++k) {
+    TORCH_CHECK(numels[k] >= 0, "compute_bucket_offsets: parameter ", k, " has ", numels[k],
+                " elements");
+    const int64_t offset = (end + step - 1) / step * step;
+    offsets.push_back(offset);
+    end = offset + numels[k];
+  }
+  offsets.push_back(end);
+  return offsets;
+}
+
 void verify_param_shapes(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
                          const std::vector<at::Tensor>& params,
                          const std::vector<std::string>& names) {
@@ -204,7 +224,10 @@ void broadcast_from(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
 struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
   struct Bucket {
     std::vector<size_t> params;
+    // Note [Aligned bucket offsets]: each parameter's; numel: the end of the last.
     std::vector<int64_t> offsets;
+    int64_t numel = 0;
+    at::Tensor gaps;    // sharded: the padding between parameters (indices), if any
     at::Tensor buffer;  // flat, in the communication dtype
     size_t pending = 0;
     c10::intrusive_ptr<c10d::Work> work;  // without a hook
@@ -300,9 +323,12 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     if (sharded()) {
       has_grad.assign(params.size(), 0);
       shard_by_allreduce = gloo_collectives(params.front(), group);
-      std::vector<int64_t> numels;
-      for (const auto& p : params) numels.push_back(p.numel());
-      const ShardLayout layout(numels, assignment, group->getSize());
+      std::vector<int64_t> numels, element_sizes;
+      for (const auto& p : params) {
+        numels.push_back(p.numel());
+        element_sizes.push_back(static_cast<int64_t>(p.element_size()));
+      }
+      const ShardLayout layout(numels, element_sizes, assignment, group->getSize());
       for (size_t b = 0; b < assignment.size(); ++b) {
         const at::Tensor& head = params[assignment[b].front()];
         piece_numel.push_back(layout.piece_numel(b));
@@ -316,21 +342,41 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     for (size_t b = 0; b < assignment.size(); ++b) {
       Bucket bucket;
       bucket.params = assignment[b];
-      int64_t total = 0;
+      // Note [Aligned bucket offsets]: in the parameters' dtype, as the shard
+      // layout's (sharded, both must agree).
+      std::vector<int64_t> numels;
+      for (const size_t i : bucket.params) numels.push_back(params[i].numel());
+      std::vector<int64_t> offsets = compute_bucket_offsets(
+          numels, static_cast<int64_t>(params[bucket.params.front()].element_size()));
+      bucket.numel = offsets.back();
+      offsets.pop_back();
       for (size_t s = 0; s < bucket.params.size(); ++s) {
         const size_t i = bucket.params[s];
         bucket_of[i] = b;
         slot_of[i] = s;
-        bucket.offsets.push_back(total);
-        bucket.hook_offsets.push_back(static_cast<size_t>(total));
+        bucket.hook_offsets.push_back(static_cast<size_t>(offsets[s]));
         bucket.hook_lengths.push_back(static_cast<size_t>(params[i].numel()));
         bucket.hook_sizes.push_back(params[i].sizes());
         bucket.hook_params.push_back(params[i]);
-        total += params[i].numel();
       }
-      // Sharded: the buffer exists only from the bucket's first gradient to
-      // the end of its reduce-scatter (ensure_buffer).
-      if (!sharded()) bucket.buffer = at::zeros({total}, buffer_options(bucket));
+      bucket.offsets = std::move(offsets);
+      if (sharded()) {
+        // The buffer exists only from the bucket's first gradient to the end
+        // of its reduce-scatter (ensure_buffer), in pooled memory that held
+        // other values: the padding is zeroed there, through these indices.
+        std::vector<int64_t> padding;
+        for (size_t s = 0; s + 1 < bucket.params.size(); ++s) {
+          for (int64_t e = bucket.offsets[s] + numels[s]; e < bucket.offsets[s + 1]; ++e) {
+            padding.push_back(e);
+          }
+        }
+        if (!padding.empty()) {
+          bucket.gaps = at::tensor(padding, at::TensorOptions().dtype(at::kLong))
+                            .to(params[bucket.params.front()].device());
+        }
+      } else {
+        bucket.buffer = at::zeros({bucket.numel}, buffer_options(bucket));
+      }
       buckets.push_back(std::move(bucket));
     }
   }
@@ -340,15 +386,17 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
     return head.options().dtype(options.comm_dtype().value_or(head.scalar_type()));
   }
 
-  // Sharded: bucket b's flat buffer padded to world * piece, padding zeroed.
+  // Sharded: bucket b's flat buffer padded to world * piece, padding (the
+  // gaps between parameters and the tail) zeroed.
   void ensure_buffer(size_t b) {
     Bucket& bucket = buckets[b];
     if (bucket.buffer.defined()) return;
-    const int64_t total = bucket.offsets.back() + params[bucket.params.back()].numel();
+    const int64_t total = bucket.numel;
     const int64_t padded = piece_numel[b] * group->getSize();
     bucket.pooled = bucket_buffers.take(padded, buffer_options(bucket));
     bucket.buffer = bucket.pooled.narrow(0, 0, padded);
     if (padded > total) bucket.buffer.narrow(0, total, padded - total).zero_();
+    if (bucket.gaps.defined()) bucket.buffer.index_fill_(0, bucket.gaps, 0);
   }
 
   // Parameter i's gradient in its bucket. Unsharded, in the parameter's own

@@ -39,6 +39,24 @@
 // constructed) keeps its stream; the reducer warns when that is the legacy
 // default stream.
 //
+// Note [Aligned bucket offsets]
+// Each parameter starts at a multiple of kBucketAlignmentBytes into its flat
+// bucket (compute_bucket_offsets; the buckets are allocated aligned), so the
+// views the optimizers step through (param.grad with gradient_as_bucket_view,
+// ZeRO's gradient pieces, parameters_as_bucket_view) are 16-byte aligned
+// wherever the parameters' own storage would be: the fused CUDA optimizers
+// take their vector loads only when every array of a chunk is. The gaps
+// between parameters (fewer than 16 bytes each: at most 3 float32, 7
+// bfloat16 elements) are zeroed wherever the reducer or ZeRO allocates a
+// bucket, and no gradient, parameter or shard view covers them: the
+// allreduce adds zeros there, and the gradients, norms, clipping and updates
+// are those of the unpadded layout. The bucket
+// caps still count the parameters' own bytes (the assignment is unchanged:
+// a bucket passes its cap by at most the padding), and a communication hook
+// gets the padded buffer, with each parameter's offset in GradBucket. The
+// alignment is in the parameters' dtype: a comm_dtype buffer of smaller
+// elements is aligned to less, but its slots are copied, never viewed.
+//
 // Note [Communication hooks]
 // A hook decides how a bucket is reduced, with torch's contract
 // (c10d::CommHookInterface, torch.distributed's register_comm_hook): when a
@@ -99,7 +117,8 @@ struct DDPOptions {
   /// Tolerate parameters that get no gradient in an iteration (their gradient
   /// is reduced as zeros). Without it such a parameter is an error naming it.
   TORCH_ARG(bool, find_unused_parameters) = false;
-  /// param.grad becomes a view into its bucket (saves a copy and memory).
+  /// param.grad becomes a view into its bucket (saves a copy and memory),
+  /// 16-byte aligned (Note [Aligned bucket offsets]).
   TORCH_ARG(bool, gradient_as_bucket_view) = false;
   /// Communicate in this dtype (e.g. bfloat16): compressed allreduce.
   TORCH_ARG(std::optional<at::ScalarType>, comm_dtype) = std::nullopt;
@@ -127,6 +146,19 @@ std::vector<std::vector<size_t>> compute_bucket_assignment(const std::vector<at:
                                                            size_t first_cap_bytes,
                                                            size_t cap_bytes,
                                                            const std::vector<size_t>& order = {});
+
+/// Note [Aligned bucket offsets]: every parameter's offset in its bucket is a
+/// multiple of this many bytes.
+inline constexpr int64_t kBucketAlignmentBytes = 16;
+
+/// Note [Aligned bucket offsets]: the element offsets of parameters of
+/// `numels` elements (each `element_size` bytes) laid out in this order in
+/// one flat bucket, each rounded up to a multiple of kBucketAlignmentBytes;
+/// one entry more than `numels`, the end of the last parameter (the bucket's
+/// numel). Pure; unit-tested; the one layout DDP's buckets and ZeRO's shards
+/// (zero.h's ShardLayout) share.
+std::vector<int64_t> compute_bucket_offsets(const std::vector<int64_t>& numels,
+                                            int64_t element_size);
 
 /// Checks that every rank has the same number of parameters with the same
 /// shapes; raises on every rank, naming the first mismatch, instead of hanging.

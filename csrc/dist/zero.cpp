@@ -1,5 +1,6 @@
 #include <fusetrain/dist/zero.h>
 
+#include <fusetrain/dist/ddp.h>
 #include <fusetrain/dist/shared_memory.h>
 #include <fusetrain/ops/amp.h>
 #include <fusetrain/ops/optim.h>
@@ -65,20 +66,30 @@ void BufferPool::give(at::Tensor buffer) {
 // ------------------------------------------------------------ ShardLayout
 
 ShardLayout::ShardLayout(const std::vector<int64_t>& numels,
+                         const std::vector<int64_t>& element_sizes,
                          std::vector<std::vector<size_t>> buckets, int world_size)
     : world_(world_size), numels_(numels), buckets_(std::move(buckets)) {
   TORCH_CHECK(world_ >= 1, "ShardLayout: world_size must be positive, got ", world_);
+  TORCH_CHECK(element_sizes.size() == numels_.size(), "ShardLayout: ", element_sizes.size(),
+              " element sizes for ", numels_.size(), " parameters");
   offset_.assign(numels_.size(), -1);
   bucket_of_.assign(numels_.size(), 0);
   for (size_t b = 0; b < buckets_.size(); ++b) {
-    int64_t total = 0;
+    std::vector<int64_t> sizes;
     for (const size_t i : buckets_[b]) {
       TORCH_CHECK(i < numels_.size() && offset_[i] < 0, "ShardLayout: parameter ", i,
                   " is out of range or in two buckets");
-      offset_[i] = total;
+      TORCH_CHECK(element_sizes[i] == element_sizes[buckets_[b].front()], "ShardLayout: bucket ", b,
+                  " mixes element sizes (parameter ", i, ")");
+      offset_[i] = 0;  // claimed
       bucket_of_[i] = b;
-      total += numels_[i];
+      sizes.push_back(numels_[i]);
     }
+    // The reducer's offsets (Note [Aligned bucket offsets]).
+    const std::vector<int64_t> offsets =
+        compute_bucket_offsets(sizes, buckets_[b].empty() ? 1 : element_sizes[buckets_[b].front()]);
+    for (size_t s = 0; s < buckets_[b].size(); ++s) offset_[buckets_[b][s]] = offsets[s];
+    const int64_t total = offsets.back();
     bucket_numel_.push_back(total);
     piece_numel_.push_back(round_up((total + world_ - 1) / world_, kShardAlignment));
   }
@@ -132,7 +143,10 @@ ShardedParameters::ShardedParameters(std::vector<at::Tensor> params,
           "ZeroRedundancyOptimizer: a bucket mixes dtypes or devices (parameter ", i, ")");
     }
   }
-  layout_ = ShardLayout(numels, std::move(buckets), group_->getSize());
+  std::vector<int64_t> element_sizes;
+  for (const at::Tensor& p : params_)
+    element_sizes.push_back(static_cast<int64_t>(p.element_size()));
+  layout_ = ShardLayout(numels, element_sizes, std::move(buckets), group_->getSize());
   if (parameters_as_bucket_view) {
     at::NoGradGuard no_grad;
     for (size_t b = 0; b < layout_.buckets().size(); ++b) {

@@ -4,15 +4,23 @@
 // Note [Sharded optimizer state]
 // The parameters are laid out in buckets (lists of parameter indices of one
 // dtype and device, as the reducer's): bucket b is the parameters' elements
-// end to end, T_b of them, padded to N * P_b with P_b = ceil(T_b / N)
-// rounded up to kShardAlignment elements. Rank r owns piece r, elements
+// in order, each starting 16-byte aligned as in the reducer's buckets (Note
+// [Aligned bucket offsets] in ddp.h), T_b elements to the end of the last,
+// padded to N * P_b with P_b = ceil(T_b / N) rounded up to kShardAlignment
+// elements. Rank r owns piece r, elements
 // [r * P_b, (r + 1) * P_b) of every bucket, so it owns about 1/N of every
 // bucket whatever the parameter sizes: a parameter that straddles a piece
 // boundary is split between ranks, and its slices are flat views of it.
 // Each rank runs the optimizer on its slices only, so its optimizer state
-// (moments, fp32 masters) is total / N plus less than one alignment per
-// bucket; the update is elementwise, so a slice gets the same bits as the
-// whole parameter would. After the step one all-gather per bucket, in
+// (moments, fp32 masters) is total / N plus less than one alignment (and
+// its share of the padding between parameters) per bucket; the update is
+// elementwise, so a slice gets the same bits as the whole parameter would.
+// The piece boundaries (multiples of kShardAlignment
+// elements, 16 bytes or more in every dtype) and the parameters' offsets
+// being 16-byte aligned, every slice starts 16-byte aligned: in the piece,
+// in the flat bucket, and in the parameter (given aligned storage), so the
+// fused optimizers take their vector path on the shards. The padding between
+// parameters belongs to no slice. After the step one all-gather per bucket, in
 // bucket order, gives every rank every updated element.
 //
 // Stage 2 (DDPOptions::shard_gradients): the reducer reduce-scatters each
@@ -30,9 +38,10 @@
 // piece: measured on 2 ranks with 18.9 MB pieces (2-core EPYC, loopback),
 // gloo's allgather takes 74 ms where the broadcasts take 29 ms, and its
 // reduce_scatter 109 ms where the allreduce of the same bucket takes 58 ms.
-// (The allreduce's buffer is the padded bucket, so on 3 or more ranks gloo's
-// ring may add the ranks' values in another order than unsharded DDP's
-// allreduce of the unpadded bucket; on 2 ranks the one sum is the same.)
+// (The allreduce's buffer is the bucket padded to N * P_b, so on 3 or more
+// ranks gloo's ring may add the ranks' values in another order than
+// unsharded DDP's allreduce of the bucket without that tail; on 2 ranks the
+// one sum is the same.)
 // Ranks on one host whose group allreduces through shared memory (Note
 // [Shared-memory allreduce]) take the named collectives again, which that
 // backend runs in its segment: its reduce-scatter adds the ranks in rank
@@ -99,18 +108,20 @@ struct ShardSlice {
 class ShardLayout {
  public:
   ShardLayout() = default;
-  /// `numels[i]`: parameter i's element count; `buckets`: parameter indices
-  /// per bucket (every parameter once).
-  ShardLayout(const std::vector<int64_t>& numels, std::vector<std::vector<size_t>> buckets,
-              int world_size);
+  /// `numels[i]`, `element_sizes[i]`: parameter i's element count and bytes
+  /// per element (one size per bucket); `buckets`: parameter indices per
+  /// bucket (every parameter once).
+  ShardLayout(const std::vector<int64_t>& numels, const std::vector<int64_t>& element_sizes,
+              std::vector<std::vector<size_t>> buckets, int world_size);
 
   int world_size() const { return world_; }
   size_t num_params() const { return numels_.size(); }
   const std::vector<std::vector<size_t>>& buckets() const { return buckets_; }
-  /// Elements of bucket b before padding, and per rank piece.
+  /// Elements of bucket b up to the end of its last parameter (the padding
+  /// between parameters included), and per rank piece.
   int64_t bucket_numel(size_t b) const { return bucket_numel_[b]; }
   int64_t piece_numel(size_t b) const { return piece_numel_[b]; }
-  /// Offset of parameter i in its bucket, and the bucket.
+  /// Offset of parameter i in its bucket (16-byte aligned), and the bucket.
   int64_t offset_of(size_t i) const { return offset_[i]; }
   size_t bucket_of(size_t i) const { return bucket_of_[i]; }
   /// Rank r's slices, in bucket order, then offset (empty slices left out).

@@ -368,4 +368,6 @@ PYBIND11_MODULE(_C, m) {
            py::arg("tensors"));
   m.def("compute_bucket_assignment", &dist::compute_bucket_assignment, py::arg("params"),
         py::arg("first_cap_bytes"), py::arg("cap_bytes"), py::arg("order") = std::vector<size_t>{});
+  m.def("compute_bucket_offsets", &dist::compute_bucket_offsets, py::arg("numels"),
+        py::arg("element_size"));
 }

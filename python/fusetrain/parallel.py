@@ -13,7 +13,10 @@ gradients became ready in, rank 0's, as torch's reducer does), divided by the
 world size while copied into the bucket, and each bucket's allreduce starts
 from an autograd hook as soon as its last gradient is ready, overlapping the
 rest of the backward pass. Buckets are reduced strictly in order on every
-rank.
+rank. Each parameter starts 16-byte aligned in its bucket (fewer than 16
+bytes of zeros between parameters; Note [Aligned bucket offsets] in
+csrc/dist/ddp.h), so with ``gradient_as_bucket_view=True`` the fused CUDA
+optimizers take their vector path over the gradient views.
 
 For CUDA parameters the reducer makes the parameters' gradient accumulators
 (which run its hooks) on a side stream of its own, ``.stream``, never the

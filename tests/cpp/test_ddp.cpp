@@ -33,7 +33,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <map>
+#include <numeric>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -467,6 +469,110 @@ void worker_zero(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int rank, 
   }
 }
 
+// Parameters of odd sizes (3, 5, 7, 1, 33, 2, 129 elements), in float32 and
+// again in bfloat16: one bucket per dtype, whose pieces cut through some.
+struct MixedImpl : torch::nn::Module {
+  MixedImpl() {
+    torch::manual_seed(11);
+    for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+      for (const int64_t n : {3, 5, 7, 1, 33, 2, 129}) {
+        const std::string name = std::string(dtype == at::kFloat ? "f" : "b") + std::to_string(n);
+        weights.push_back(register_parameter(name, torch::randn({n}).to(dtype)));
+      }
+    }
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor loss = torch::zeros({});
+    for (const auto& w : weights)
+      loss = loss + (w.to(at::kFloat) - x.narrow(0, 0, w.numel())).square().mean();
+    return loss;
+  }
+  std::vector<at::Tensor> weights;
+};
+TORCH_MODULE(Mixed);
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// Note [Aligned bucket offsets]: every view an optimizer steps through is
+// 16-byte aligned (the CUDA optimizers' vector path needs it): param.grad with
+// gradient_as_bucket_view; ZeRO stage 1's parameter and gradient slices with
+// parameters_as_bucket_view; stage 2's gradient slices of the pieces. And the
+// padding changes no result: 3 AdamW steps of each equal unsharded DDP with
+// copied gradients (float32 within kTol; bfloat16 bit for bit where the
+// reductions add in the same order, Note [Sharded optimizer state]).
+void worker_aligned(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int rank, int world) {
+  namespace optim = fusetrain::optim;
+  const auto adam = optim::FusedAdamWOptions(1e-2);
+  auto input = [&](int step) {
+    torch::manual_seed(500 + 10 * step + rank);
+    return torch::randn({129});
+  };
+  auto train = [&](auto& ddp, torch::optim::Optimizer& opt, const std::function<void()>& check) {
+    for (int step = 0; step < 3; ++step) {
+      // Not opt.zero_grad(): libtorch's detaches the gradients in place,
+      // which bucket views refuse.
+      for (auto& p : ddp.module()->parameters()) p.mutable_grad().reset();
+      ddp.forward(input(step)).backward();
+      check();
+      opt.step();
+    }
+  };
+  Mixed ref;
+  dist::DistributedDataParallel<Mixed> ref_ddp(ref, group);
+  REQUIRE(ref_ddp.reducer().bucket_indices().size() == 2);
+  optim::FusedAdamW ref_opt(ref->parameters(), adam);
+  train(ref_ddp, ref_opt, [] {});
+  const auto float_params = [](const Mixed& m) {
+    return std::vector<at::Tensor>(m->weights.begin(), m->weights.begin() + 7);
+  };
+  const auto bf16_params = [](const Mixed& m) {
+    return std::vector<at::Tensor>(m->weights.begin() + 7, m->weights.end());
+  };
+  const bool same_sums = world == 2 || dist::uses_shared_memory(group);
+  {
+    INFO("DDP, gradient_as_bucket_view");
+    Mixed net;
+    dist::DistributedDataParallel<Mixed> ddp(net, group,
+                                             dist::DDPOptions().gradient_as_bucket_view(true));
+    optim::FusedAdamW opt(net->parameters(), adam);
+    train(ddp, opt, [&] {
+      for (const auto& p : net->parameters()) {
+        REQUIRE(p.grad().storage().unsafeGetStorageImpl() != p.storage().unsafeGetStorageImpl());
+        REQUIRE(aligned16(p.grad()));
+      }
+    });
+    REQUIRE(max_diff(net->parameters(), ref->parameters()) == 0);
+  }
+  for (const bool stage2 : {false, true}) {
+    INFO("stage " << (stage2 ? 2 : 1));
+    Mixed net;
+    dist::DistributedDataParallel<Mixed> ddp(
+        net, group, dist::DDPOptions().gradient_as_bucket_view(!stage2).shard_gradients(stage2));
+    auto opt = optim::ZeroRedundancyOptimizer::adamw(
+        {torch::optim::OptimizerParamGroup(net->parameters())}, adam, group,
+        optim::ZeroOptions().parameters_as_bucket_view(true), stage2 ? &ddp.reducer() : nullptr);
+    const auto& shards = opt->shards();
+    // Some parameter is cut between two ranks (a slice starting inside it).
+    bool cut = false;
+    for (int r = 0; r < world; ++r) {
+      for (const auto& s : shards.layout().slices_of(r)) cut |= s.begin > 0;
+    }
+    REQUIRE(cut);
+    train(ddp, *opt, [&] {
+      for (const auto& t : shards.param_slices()) REQUIRE(aligned16(t));
+      const auto grads =
+          stage2 ? shards.slices_of_pieces(ddp.reducer().grad_pieces()) : shards.grad_slices();
+      REQUIRE(grads.size() == shards.slices().size());
+      for (const auto& g : grads) {
+        REQUIRE(g.defined());
+        REQUIRE(aligned16(g));
+      }
+    });
+    REQUIRE(max_diff(float_params(net), float_params(ref)) <= kTol);
+    if (!stage2 || same_sums) REQUIRE(max_diff(bf16_params(net), bf16_params(ref)) == 0);
+  }
+}
+
 void worker_mismatch(const c10::intrusive_ptr<c10d::ProcessGroup>& group, int rank, int world) {
   auto net = make_net(1, rank == world - 1 ? 6 : 5);
   const auto t0 = Clock::now();
@@ -642,6 +748,8 @@ TEST_CASE("ddp_worker", "[.ddp_worker]") {
     worker_dead(group, env->rank, env->world_size);
   } else if (name == "zero") {
     worker_zero(group, env->rank, env->world_size);
+  } else if (name == "aligned") {
+    worker_aligned(group, env->rank, env->world_size);
   } else if (name == "join") {
     worker_join(group, env->rank, env->world_size);
   } else if (name == "shared_memory") {
@@ -692,15 +800,27 @@ TEST_CASE("ZeroRedundancyOptimizer stages 1 and 2 equal unsharded DDP; state is 
   }
 }
 
+TEST_CASE("Optimizer views of DDP buckets and ZeRO shards are 16-byte aligned, results unchanged",
+          "[dist][ddp][zero]") {
+  for (int world : {2, 3}) {
+    for (const std::string transport : {"", "/gloo"}) {
+      INFO("world size " << world << (transport.empty() ? ", shared memory" : ", gloo only"));
+      require_exit_codes(spawn_world(world, "aligned" + transport));
+    }
+  }
+}
+
 TEST_CASE("ShardLayout: equal padded pieces per bucket, parameters split at their edges",
           "[zero]") {
-  // Bucket 0: params 2 (10) and 0 (7) = 17 elements; bucket 1: param 1 (40).
-  const dist::ShardLayout layout({7, 40, 10}, {{2, 0}, {1}}, 3);
+  // float32. Bucket 0: params 2 (10) and 0 (7) at 12 (16-byte aligned) = 19
+  // elements; bucket 1: param 1 (40).
+  const dist::ShardLayout layout({7, 40, 10}, {4, 4, 4}, {{2, 0}, {1}}, 3);
   const int64_t a = dist::kShardAlignment;
-  REQUIRE(layout.piece_numel(0) == a);  // ceil(17 / 3) = 6, rounded up to the alignment
+  REQUIRE(layout.bucket_numel(0) == 19);
+  REQUIRE(layout.piece_numel(0) == a);  // ceil(19 / 3) = 7, rounded up to the alignment
   REQUIRE(layout.piece_numel(1) == ((40 + 2) / 3 + a - 1) / a * a);
   REQUIRE(layout.offset_of(2) == 0);
-  REQUIRE(layout.offset_of(0) == 10);
+  REQUIRE(layout.offset_of(0) == 12);
   // Every element of every parameter is owned exactly once, in order.
   std::vector<std::vector<int>> owner{std::vector<int>(7, -1), std::vector<int>(40, -1),
                                       std::vector<int>(10, -1)};
@@ -718,13 +838,50 @@ TEST_CASE("ShardLayout: equal padded pieces per bucket, parameters split at thei
   for (const auto& o : owner) {
     for (int r : o) REQUIRE(r >= 0);
   }
-  // 17 elements in pieces of 16: rank 0 owns all of param 2 and 6 of param 0.
+  // 19 elements in pieces of 16: rank 0 owns all of param 2 and 4 of param 0
+  // (the 2 padding elements between them belong to no slice).
   const auto r0 = layout.slices_of(0);
   REQUIRE(r0[0].param == 2);
   REQUIRE(r0[0].length == 10);
   REQUIRE(r0[1].param == 0);
-  REQUIRE(r0[1].length == 6);
-  REQUIRE_THROWS_WITH(dist::ShardLayout({3, 4}, {{0}}, 2), Contains("in no bucket"));
+  REQUIRE(r0[1].length == 4);
+  REQUIRE(r0[1].piece_offset == 12);
+  REQUIRE_THROWS_WITH(dist::ShardLayout({3, 4}, {4, 4}, {{0}}, 2), Contains("in no bucket"));
+  REQUIRE_THROWS_WITH(dist::ShardLayout({3, 4}, {4, 2}, {{0, 1}}, 2),
+                      Contains("mixes element sizes"));
+}
+
+TEST_CASE("ShardLayout: every slice starts 16-byte aligned in its piece, bucket and parameter",
+          "[zero]") {
+  // Odd sizes in every element size, cut by 1 to 5 ranks: the alignment the
+  // fused optimizers' vector path needs on every rank's views.
+  const std::vector<int64_t> odd{3, 5, 7, 1, 33, 2, 129, 0, 17};
+  for (const int64_t size : {1, 2, 4, 8}) {
+    std::vector<int64_t> numels, sizes;
+    std::vector<std::vector<size_t>> buckets(2);
+    for (size_t k = 0; k < odd.size(); ++k) {
+      numels.push_back(odd[k]);
+      sizes.push_back(size);
+      buckets[k % 2].push_back(k);
+    }
+    for (int world = 1; world <= 5; ++world) {
+      INFO(size << "-byte elements, world " << world);
+      const dist::ShardLayout layout(numels, sizes, buckets, world);
+      for (size_t i = 0; i < numels.size(); ++i) REQUIRE(layout.offset_of(i) * size % 16 == 0);
+      int64_t owned = 0;
+      for (int r = 0; r < world; ++r) {
+        for (const auto& s : layout.slices_of(r)) {
+          REQUIRE(s.piece_offset * size % 16 == 0);
+          REQUIRE(s.begin * size % 16 == 0);
+          REQUIRE((layout.offset_of(s.param) + s.begin) * size % 16 == 0);
+          REQUIRE(layout.offset_of(s.param) + s.begin ==
+                  r * layout.piece_numel(s.bucket) + s.piece_offset);
+          owned += s.length;
+        }
+      }
+      REQUIRE(owned == std::accumulate(odd.begin(), odd.end(), int64_t{0}));
+    }
+  }
 }
 
 TEST_CASE("Ranks on one host allreduce through shared memory: every dtype and op, bit for bit",
@@ -772,6 +929,40 @@ std::vector<at::Tensor> tensors_of_sizes(const std::vector<std::pair<int64_t, at
 using Layout = std::vector<std::vector<size_t>>;
 
 }  // namespace
+
+TEST_CASE("compute_bucket_offsets: each parameter 16-byte aligned, gaps under 16 bytes",
+          "[dist][ddp]") {
+  using dist::compute_bucket_offsets;
+  using Offsets = std::vector<int64_t>;
+  // float32 (4 elements to 16 bytes), bfloat16 (8), uint8 (16), float64 (2),
+  // complex128 (16-byte elements: no padding); the last entry is the end.
+  REQUIRE(compute_bucket_offsets({3, 5, 7}, 4) == Offsets{0, 4, 12, 19});
+  REQUIRE(compute_bucket_offsets({3, 5, 7}, 2) == Offsets{0, 8, 16, 23});
+  REQUIRE(compute_bucket_offsets({3, 5, 7}, 1) == Offsets{0, 16, 32, 39});
+  REQUIRE(compute_bucket_offsets({3, 5, 7}, 8) == Offsets{0, 4, 10, 17});
+  REQUIRE(compute_bucket_offsets({3, 5, 7}, 16) == Offsets{0, 3, 8, 15});
+  // Already aligned sizes: no padding, the layout of end-to-end parameters.
+  REQUIRE(compute_bucket_offsets({4, 8, 12}, 4) == Offsets{0, 4, 12, 24});
+  // An empty parameter takes no room.
+  REQUIRE(compute_bucket_offsets({3, 0, 1}, 4) == Offsets{0, 4, 4, 5});
+  REQUIRE(compute_bucket_offsets({}, 4) == Offsets{0});
+  const std::vector<int64_t> odd{1, 3, 5, 7, 9, 11, 13, 278011, 2, 17};
+  for (const int64_t size : {1, 2, 4, 8, 16}) {
+    const Offsets o = compute_bucket_offsets(odd, size);
+    REQUIRE(o.size() == odd.size() + 1);
+    REQUIRE(o.back() == o[odd.size() - 1] + odd.back());
+    for (size_t k = 0; k < odd.size(); ++k) {
+      INFO(size << "-byte elements, parameter " << k);
+      REQUIRE(o[k] * size % 16 == 0);
+      if (k > 0) {
+        const int64_t gap = (o[k] - o[k - 1] - odd[k - 1]) * size;
+        REQUIRE(gap >= 0);
+        REQUIRE(gap < 16);
+      }
+    }
+  }
+  CHECK_THROWS_WITH(compute_bucket_offsets({3}, 0), Contains("element_size"));
+}
 
 TEST_CASE("compute_bucket_assignment", "[dist][ddp]") {
   using dist::compute_bucket_assignment;

@@ -537,11 +537,12 @@ def sc_comm_bf16(pg, rank, world):
 
 def sc_grad_as_bucket_view(pg, rank, world):
     """gradient_as_bucket_view=True: same result as False; each param.grad is
-    a view into its bucket (storage of the bucket's size, offset of its slot)
-    and stays the same storage across iterations (zero_grad to None and in
-    place both)."""
+    a view into its bucket (storage of the bucket's size, offset of its slot,
+    16-byte aligned: Note [Aligned bucket offsets]) and stays the same storage
+    across iterations (zero_grad to None and in place both)."""
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+    from fusetrain import _C
     from fusetrain.parallel import DistributedDataParallel as DDP
 
     torch.manual_seed(0)
@@ -559,13 +560,12 @@ def sc_grad_as_bucket_view(pg, rank, world):
     params = [list(m.parameters()) for m in models]
     expected_view = {}  # param index -> (bucket numel, offset)
     for bucket in layout:
-        total = sum(params[1][i].numel() for i in bucket)
-        offset = 0
-        for i in bucket:
-            expected_view[i] = (total, offset)
-            offset += params[1][i].numel()
+        offsets = _C.compute_bucket_offsets([params[1][i].numel() for i in bucket], 4)
+        for i, offset in zip(bucket, offsets):
+            expected_view[i] = (offsets[-1], offset)
     storages = {1: [], 2: []}
     layout_ok = {1: True, 2: True}
+    aligned = {1: True, 2: True}
     for step in range(10):
         x, y = _batch(step, 8 * world, D_IN, D_OUT)
         xs, ys = _shard(x, rank, world), _shard(y, rank, world)
@@ -582,6 +582,7 @@ def sc_grad_as_bucket_view(pg, rank, world):
                         and p.grad.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
                     )
                     layout_ok[j] &= ok
+                    aligned[j] &= p.grad.data_ptr() % 16 == 0
             opt.step()
     same_storage_across_steps = {j: all(s == storages[j][0] for s in storages[j]) for j in (1, 2)}
     shared_in_bucket = {
@@ -594,6 +595,7 @@ def sc_grad_as_bucket_view(pg, rank, world):
         "same_storage_across_steps": same_storage_across_steps,
         "shared_in_bucket": shared_in_bucket,
         "views_at_slot_offsets": layout_ok,
+        "views_16_byte_aligned": aligned,
         "equal_to_copy_mode": [
             all(torch.equal(a, b) for a, b in zip(params[0], params[j])) for j in (1, 2)
         ],
@@ -1071,6 +1073,8 @@ def test_gradient_as_bucket_view(core):
         assert d["err_vs_torch_view"] <= torch_tol(world), f"rank {rank}: {d['err_vs_torch_view']}"
         for mode in (1, 2):
             assert d["views_at_slot_offsets"][mode], f"mode {mode}: param.grad is not its bucket slot"
+            # The fused CUDA optimizers' vector path needs every array 16-byte aligned.
+            assert d["views_16_byte_aligned"][mode], f"mode {mode}: a param.grad view is not 16-byte aligned"
             assert d["shared_in_bucket"][mode], f"mode {mode}: a bucket's grads do not share its storage"
             assert d["same_storage_across_steps"][mode], f"mode {mode}: the grad storage changed"
 
@@ -1169,6 +1173,26 @@ def test_bucket_assignment_oversized_param_alone():
 
 def test_bucket_assignment_dtype_change_starts_a_bucket():
     assert _assignment([(10, F32), (10, F32), (10, F64), (10, F32)], 1 << 20, 1 << 20) == [[3], [2], [1, 0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8, torch.float64])
+def test_bucket_offsets_start_every_parameter_16_byte_aligned(dtype):
+    """Note [Aligned bucket offsets]: the fused CUDA optimizers vectorise only
+    over 16-byte aligned arrays; the padding between parameters stays under
+    16 bytes."""
+    from fusetrain import _C
+
+    size = torch.empty(0, dtype=dtype).element_size()
+    numels = [3, 5, 7, 1, 0, 278011, 2]
+    offsets = _C.compute_bucket_offsets(numels, size)
+    assert len(offsets) == len(numels) + 1 and offsets[-1] == offsets[-2] + numels[-1]
+    for k, n in enumerate(numels):
+        assert offsets[k] * size % 16 == 0, (k, offsets)
+        assert 0 <= (offsets[k + 1] - offsets[k] - n) * size < 16 or k + 1 == len(numels), (k, offsets)
+    if dtype == torch.float32:
+        assert offsets[:4] == [0, 4, 12, 20]
+    if dtype == torch.bfloat16:
+        assert offsets[:4] == [0, 8, 16, 24]
 
 
 @pytest.mark.cuda

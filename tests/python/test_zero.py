@@ -172,6 +172,7 @@ def sc_scaler_skip(pg, rank, world):
 
 
 def sc_bf16_grads(pg, rank, world):
+    from fusetrain import _C
     from fusetrain.parallel import DistributedDataParallel as DDP
 
     x, y = _batch(3, 4 * world)
@@ -198,9 +199,15 @@ def sc_bf16_grads(pg, rank, world):
         u = 2.0**-8
         excess = 0.0
         for b, (piece, idx) in enumerate(zip(pieces, layout)):
-            # this rank's piece of bucket b: elements [rank * P, (rank + 1) * P) of the bucket
-            flat_ref = torch.cat([full[starts[i] : starts[i] + sizes[i]] for i in idx])
-            flat_abs = torch.cat([abs_sum[starts[i] : starts[i] + sizes[i]] for i in idx])
+            # The bucket as the reducer lays it out (Note [Aligned bucket
+            # offsets]: parameters at 16-byte aligned offsets, zeros between);
+            # this rank's piece is elements [rank * P, (rank + 1) * P) of it.
+            offsets = _C.compute_bucket_offsets([sizes[i] for i in idx], 2)
+            flat_ref = torch.zeros(offsets[-1], dtype=torch.float64)
+            flat_abs = torch.zeros(offsets[-1], dtype=torch.float64)
+            for i, o in zip(idx, offsets):
+                flat_ref[o : o + sizes[i]] = full[starts[i] : starts[i] + sizes[i]]
+                flat_abs[o : o + sizes[i]] = abs_sum[starts[i] : starts[i] + sizes[i]]
             P = piece.numel()
             lo, hi = rank * P, min((rank + 1) * P, flat_ref.numel())
             if lo >= hi:
@@ -209,6 +216,40 @@ def sc_bf16_grads(pg, rank, world):
             bound = 2 * (world - 1) * u * flat_abs[lo:hi] + u * flat_ref[lo:hi].abs() + 1e-30
             excess = max(excess, float(((mine - flat_ref[lo:hi]).abs() / bound).max()))
     return {"excess": excess}
+
+
+def sc_aligned_views(pg, rank, world):
+    """Note [Aligned bucket offsets]: every slice the local optimizer steps
+    (the parameters' with parameters_as_bucket_view; the gradients', of
+    gradient_as_bucket_view's p.grad in stage 1 and of the reducer's pieces in
+    stage 2) starts 16-byte aligned, for the odd sizes of Odd in float32 and
+    bfloat16."""
+    import fusetrain.optim as fo
+    import fusetrain.zero
+    from fusetrain.parallel import DistributedDataParallel as DDP
+
+    fusetrain.zero._BUCKET_CAP_BYTES = SMALL_BUCKETS
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for stage in (1, 2):
+            model = _model(dtype)
+            ddp = DDP(model, process_group=pg, shard_gradients=stage == 2, gradient_as_bucket_view=stage == 1,
+                      bucket_cap_mb=0.02)
+            opt = fo.ZeroRedundancyOptimizer(model.parameters(), optimizer_class=fo.FusedAdamW, process_group=pg,
+                                             parameters_as_bucket_view=True, lr=1e-2)
+            x, y = _batch(0, 4 * world)
+            opt.zero_grad()
+            F.mse_loss(ddp(_shard(x, rank, world).to(dtype)).float(), _shard(y, rank, world)).backward()
+            grads = opt._grad_slices()
+            views = list(opt._views) + [g for g in grads if g is not None]
+            out[f"{dtype}/stage{stage}"] = {
+                "views": len(views),
+                "grads": sum(g is not None for g in grads),
+                "misaligned": sum(v.data_ptr() % 16 != 0 for v in views),
+                "cut": any(begin > 0 for _p, _b, begin, _n, _o in opt._shards.slices()),
+            }
+            opt.step()
+    return out
 
 
 def sc_bucket_view(pg, rank, world):
@@ -700,7 +741,7 @@ def sc_shm_collectives(pg, rank, world):
 
 SUITES = {
     "core": [sc_fp32_adamw, sc_fp32_sgd, sc_bf16_master, sc_bf16_grads, sc_clipping, sc_no_sync, sc_scaler_skip,
-             sc_bucket_view, sc_torch_ddp, sc_memory, sc_state_to_torch, sc_unsharded_into_sharded,
+             sc_aligned_views, sc_bucket_view, sc_torch_ddp, sc_memory, sc_state_to_torch, sc_unsharded_into_sharded,
              sc_lr_scheduler, sc_torch_optimizer, sc_add_param_group, sc_review_cases,
              sc_rank_without_elements, sc_mismatched_settings, sc_new_storage, sc_overlap],
     "save": [sc_save_for_resume],
@@ -788,6 +829,17 @@ def test_scaler_overflow_on_one_rank_skips_everywhere(core):
 def test_parameters_as_bucket_view(core):
     for d in findings(core[1], "bucket_view"):
         assert d["max_diff"] <= FP32_TOL
+
+
+def test_optimizer_views_are_16_byte_aligned(core):
+    """The fused CUDA optimizers vectorise only over 16-byte aligned arrays."""
+    world, results = core
+    data = findings(results, "aligned_views")
+    for key in data[0]:
+        for rank, d in enumerate(data):
+            assert d[key]["misaligned"] == 0, f"rank {rank}, {key}: {d[key]}"
+        assert sum(d[key]["grads"] for d in data) > 0, key
+        assert any(d[key]["cut"] for d in data), f"{key}: no parameter is cut between ranks"
 
 
 def test_stage1_under_torch_ddp(core):
