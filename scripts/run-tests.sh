@@ -18,6 +18,18 @@ else
   "$BUILD"/fusetrain_tests "~[cuda]"
 fi
 
+echo "== CUDA kernels on the CPU (tests/cuda_emulator): in order, reversed, sanitized"
+if [ -x "$BUILD"/fusetrain_kernel_tests ]; then
+  "$BUILD"/fusetrain_kernel_tests
+  CUDA_EMULATOR_ORDER=reverse "$BUILD"/fusetrain_kernel_tests
+  # No leak report: libtorch and the OpenMP runtime (not instrumented) keep
+  # allocations for the process's life.
+  ASAN_OPTIONS=detect_leaks=0 "$BUILD"/fusetrain_kernel_tests_sanitized
+else
+  echo "fusetrain_kernel_tests was not built (no cuda_fp16.h: see the CMake output)"
+  exit 1
+fi
+
 if [ -x tests/consumer/run.sh ]; then
   echo "== C++ consumer project (find_package(fusetrain))"
   PYTHON="$PY" BUILD="$BUILD" tests/consumer/run.sh

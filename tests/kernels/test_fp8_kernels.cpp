@@ -1,0 +1,153 @@
+// The float8 quantisation kernels (csrc/kernels/fp8_kernels.cu) run through
+// the CUDA emulator against the CPU ops of csrc/ops/fp8.cpp, bit for bit:
+// the amax is an integer max of |x|'s bits, the scale one rule shared by both
+// sides (fp8_scaling.h), and the cast one rounded product and a saturating
+// conversion per element.
+#include <fusetrain/ops/fp8.h>
+
+#include <ATen/ATen.h>
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#include "fp8_kernels.h"
+#include "kernel_test.h"
+
+namespace {
+
+using fusetrain::kernels::Fp8Type;
+using fusetrain::kernels::launch_fp8_quantize_current;
+using fusetrain::kernels::launch_fp8_quantize_delayed;
+using kernel_test::at_offset;
+using kernel_test::float_type;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+Fp8Type fp8_type(at::ScalarType dtype) {
+  return dtype == at::kFloat8_e5m2 ? Fp8Type::kE5M2 : Fp8Type::kE4M3;
+}
+
+// Values over many binades (so some round to float8 subnormals and zero),
+// ties of the float8 grid, signed zeros, and optionally inf and NaN.
+at::Tensor values(int64_t n, at::ScalarType dtype, bool non_finite) {
+  at::Tensor x = at::randn({n}, at::kDouble) * at::pow(10.0, at::randint(-6, 4, {n}).to(at::kDouble));
+  if (n > 3) {
+    x[0] = -0.0;
+    x[n / 2] = 1.0625;  // between e4m3's 1.0 and 1.125 at scale 1: a tie
+  }
+  if (non_finite && n > 7) {
+    x[5] = kInf;
+    x[n - 1] = -kInf;
+    x[n - 2] = kNaN;
+  }
+  return x.to(dtype);
+}
+
+// The float8 bytes of a quantised tensor.
+at::Tensor bytes_of(const at::Tensor& q) { return q.view(at::kByte); }
+
+}  // namespace
+
+TEST_CASE("current-scaling kernels equal the CPU op bit for bit", "[kernels][fp8]") {
+  at::manual_seed(4);
+  const at::ScalarType in = GENERATE(at::kFloat, at::kHalf, at::kBFloat16);
+  const at::ScalarType out = GENERATE(at::kFloat8_e4m3fn, at::kFloat8_e5m2);
+  const int64_t n = GENERATE(1, 15, 16, 17, 4111, 278011);
+  // Aligned, or x off a 16-byte boundary and the bytes off their pack size.
+  const auto [x_offset, out_offset] = GENERATE(std::pair<int64_t, int64_t>{0, 0},
+                                               std::pair<int64_t, int64_t>{3, 1});
+  const bool non_finite = GENERATE(false, true);
+  // One block striding over everything, or many (their amaxes meet in an atomicMax).
+  const int max_blocks = GENERATE(1, 64);
+  const int margin = max_blocks == 1 ? 0 : 2;
+  CAPTURE(in, out, n, x_offset, out_offset, non_finite, margin, max_blocks);
+
+  const at::Tensor x = at_offset(values(n, in, non_finite), x_offset);
+  at::Tensor q = at::empty({out_offset + n}, at::kByte).narrow(0, out_offset, n);
+  // A previous scale of 3: the one kept when the amax is NaN.
+  at::Tensor scale = at::full({1}, 3.f);
+  at::Tensor amax = at::full({1}, -1.f);  // the kernel zeroes it first
+  REQUIRE_LAUNCH(launch_fp8_quantize_current(float_type(in), x.data_ptr(), n, fp8_type(out),
+                                             q.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                                             amax.data_ptr<float>(), margin, max_blocks, nullptr));
+  at::Tensor ref_scale = at::full({1}, 3.f);
+  at::Tensor ref_amax = at::zeros({1});
+  const at::Tensor ref = fusetrain::ops::fp8_quantize_current(x, out, ref_scale, ref_amax, margin);
+  REQUIRE_BITS_EQUAL(amax, ref_amax);
+  REQUIRE_BITS_EQUAL(scale, ref_scale);
+  REQUIRE_BITS_EQUAL(q, bytes_of(ref));
+  if (non_finite && n > 7) CHECK(std::isnan(amax.item<float>()));
+}
+
+TEST_CASE("current scaling of an empty tensor: amax 0, scale kept", "[kernels][fp8]") {
+  float scale = 5.f;
+  float amax = 7.f;
+  REQUIRE_LAUNCH(launch_fp8_quantize_current(kernel_test::FloatType::kFloat32, nullptr, 0,
+                                             Fp8Type::kE4M3, nullptr, &scale, &amax, 0, 4,
+                                             nullptr));
+  CHECK(amax == 0.f);
+  CHECK(scale == 5.f);
+}
+
+TEST_CASE("delayed-scaling kernels equal the CPU op bit for bit over steps", "[kernels][fp8]") {
+  at::manual_seed(5);
+  const at::ScalarType in = GENERATE(at::kFloat, at::kBFloat16);
+  const at::ScalarType out = GENERATE(at::kFloat8_e4m3fn, at::kFloat8_e5m2);
+  // 1024: the longest history, one entry per thread of the scale kernel.
+  const int64_t history_len = GENERATE(1, 3, 16, 1024);
+  const int64_t n = GENERATE(17, 70001);
+  const int64_t x_offset = GENERATE(0, 5);
+  const int margin = GENERATE(0, 1);
+  CAPTURE(in, out, history_len, n, x_offset, margin);
+
+  // A history with non-finite entries (ignored by the max) and small
+  // amaxes, so that the first steps saturate the larger values of x.
+  at::Tensor history = at::rand({history_len}) * 0.01;
+  if (history_len > 2) {
+    history[1] = std::numeric_limits<float>::infinity();
+    history[history_len - 1] = std::numeric_limits<float>::quiet_NaN();
+  }
+  at::Tensor ref_history = history.clone();
+  // Not a positive finite number: counts as 1 on both sides.
+  at::Tensor scale = at::full({1}, -2.f);
+  at::Tensor ref_scale = scale.clone();
+  for (int step = 0; step < 4; ++step) {
+    CAPTURE(step);
+    const at::Tensor x = at_offset(values(n, in, step == 2) * (step + 1), x_offset);
+    at::Tensor q = at::empty({n}, at::kByte);
+    REQUIRE_LAUNCH(launch_fp8_quantize_delayed(float_type(in), x.data_ptr(), n, fp8_type(out),
+                                               q.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                                               history.data_ptr<float>(), history_len, margin, 3,
+                                               nullptr));
+    const at::Tensor ref =
+        fusetrain::ops::fp8_quantize_delayed(x, out, ref_scale, ref_history, margin);
+    REQUIRE_BITS_EQUAL(scale, ref_scale);
+    REQUIRE_BITS_EQUAL(history, ref_history);
+    REQUIRE_BITS_EQUAL(q, bytes_of(ref));
+  }
+  // The saturating cast was exercised: some bytes are the format's largest.
+  const uint8_t largest = out == at::kFloat8_e5m2 ? 0x7b : 0x7e;
+  const at::Tensor x = at_offset(values(n, in, false) * 1e3, x_offset);
+  at::Tensor q = at::empty({n}, at::kByte);
+  history.fill_(1e-3);
+  REQUIRE_LAUNCH(launch_fp8_quantize_delayed(float_type(in), x.data_ptr(), n, fp8_type(out),
+                                             q.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+                                             history.data_ptr<float>(), history_len, margin, 3,
+                                             nullptr));
+  CHECK((q.bitwise_and(0x7f) == largest).sum().item<int64_t>() > 0);
+}
+
+TEST_CASE("delayed scaling refuses a history longer than the scale kernel's block",
+          "[kernels][fp8]") {
+  float scale = 1.f;
+  at::Tensor history = at::zeros({1025});
+  const int64_t launches = cuda_emu::counts().launches;
+  CHECK(launch_fp8_quantize_delayed(kernel_test::FloatType::kFloat32, nullptr, 0, Fp8Type::kE4M3,
+                                    nullptr, &scale, history.data_ptr<float>(), 1025, 0, 4,
+                                    nullptr) == cudaErrorInvalidValue);
+  CHECK(cuda_emu::counts().launches == launches);
+}
