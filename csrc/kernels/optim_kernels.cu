@@ -5,50 +5,62 @@
 #include "optim_kernels.h"
 #include "vec.cuh"
 
+#include <algorithm>
 #include <type_traits>
 
 namespace fusetrain::kernels {
 
 namespace {
 
-// Elements a thread handles per iteration: 4 consecutive values, moved as one
-// 8- or 16-byte access when every array is aligned for it.
-constexpr int kIlp = 4;
+// Elements a thread handles per iteration: as many as make one 16-byte access
+// of the op's narrowest array (4 for fp32 only, 8 where a 16-bit array takes
+// part), so every access of a chunk moves 16 bytes when every array is
+// 16-byte aligned; the fp32 arrays of a 16-bit op move 2 x 16 bytes.
+template <typename... T>
+constexpr int kIlpOf = static_cast<int>(16 / std::min({sizeof(T)...}));
 
 template <typename T>
-struct alignas(sizeof(T) * kIlp) Quad {
-  T v[kIlp];
-};
-
-template <typename T>
-__device__ __forceinline__ bool quad_aligned(const T* p) {
-  return (reinterpret_cast<uintptr_t>(p) % (sizeof(T) * kIlp)) == 0;
+__device__ __forceinline__ bool aligned_or_null(const T* p) {
+  return p == nullptr || is_aligned16(p);
 }
 
-template <typename T>
-__device__ __forceinline__ void load_quad(float (&dst)[kIlp], const T* src, int64_t i, int64_t n,
-                                          bool vectorized) {
+// dst[k] = src[i + k] for k < N (0 past n): as N / Pack<T>::kSize 16-byte
+// loads when `vectorized` (src 16-byte aligned and i + N <= n; i is a
+// multiple of N, so each load is aligned too), else one element at a time.
+template <int N, typename T>
+__device__ __forceinline__ void load_vec(float (&dst)[N], const T* src, int64_t i, int64_t n,
+                                         bool vectorized) {
+  using P = Pack<T>;
+  static_assert(N % P::kSize == 0, "whole 16-byte packs");
   if (vectorized) {
-    const Quad<T> q = reinterpret_cast<const Quad<T>*>(src + i)[0];
 #pragma unroll
-    for (int k = 0; k < kIlp; ++k) dst[k] = to_float(q.v[k]);
+    for (int a = 0; a < N / P::kSize; ++a) {
+      const P pack = reinterpret_cast<const P*>(src + i)[a];
+#pragma unroll
+      for (int k = 0; k < P::kSize; ++k) dst[a * P::kSize + k] = to_float(pack.v[k]);
+    }
   } else {
 #pragma unroll
-    for (int k = 0; k < kIlp; ++k) dst[k] = i + k < n ? to_float(src[i + k]) : 0.f;
+    for (int k = 0; k < N; ++k) dst[k] = i + k < n ? to_float(src[i + k]) : 0.f;
   }
 }
 
-template <typename T>
-__device__ __forceinline__ void store_quad(T* dst, const float (&src)[kIlp], int64_t i, int64_t n,
-                                           bool vectorized) {
+template <int N, typename T>
+__device__ __forceinline__ void store_vec(T* dst, const float (&src)[N], int64_t i, int64_t n,
+                                          bool vectorized) {
+  using P = Pack<T>;
+  static_assert(N % P::kSize == 0, "whole 16-byte packs");
   if (vectorized) {
-    Quad<T> q;
 #pragma unroll
-    for (int k = 0; k < kIlp; ++k) q.v[k] = from_float<T>(src[k]);
-    reinterpret_cast<Quad<T>*>(dst + i)[0] = q;
+    for (int a = 0; a < N / P::kSize; ++a) {
+      P pack;
+#pragma unroll
+      for (int k = 0; k < P::kSize; ++k) pack.v[k] = from_float<T>(src[a * P::kSize + k]);
+      reinterpret_cast<P*>(dst + i)[a] = pack;
+    }
   } else {
 #pragma unroll
-    for (int k = 0; k < kIlp; ++k) {
+    for (int k = 0; k < N; ++k) {
       if (i + k < n) dst[i + k] = from_float<T>(src[k]);
     }
   }
@@ -68,12 +80,12 @@ __device__ __forceinline__ double read_or(const DeviceScalar& d, double fallback
 // torch's fused AdamW/Adam/SGD do, so p.grad holds the unscaled gradient
 // after scaler.step(). A skipped step (found_inf) leaves the gradients as
 // they were.
-template <typename P>
-__device__ __forceinline__ void unscale_into_grads(P* g, float (&rg)[kIlp], float scale, int64_t i,
+template <int N, typename P>
+__device__ __forceinline__ void unscale_into_grads(P* g, float (&rg)[N], float scale, int64_t i,
                                                    int64_t n, bool vectorized) {
 #pragma unroll
-  for (int k = 0; k < kIlp; ++k) rg[k] = rg[k] / scale;
-  store_quad(g, rg, i, n, vectorized);
+  for (int k = 0; k < N; ++k) rg[k] = rg[k] / scale;
+  store_vec(g, rg, i, n, vectorized);
 }
 
 // ------------------------------------------------------------------- Adam
@@ -105,22 +117,22 @@ struct AdamOp {
     const float* scale = s.grad_scale;
     const float beta1 = static_cast<float>(s.beta1), beta2 = static_cast<float>(s.beta2);
 
-    const bool vec = quad_aligned(p) && quad_aligned(g) && quad_aligned(m) && quad_aligned(v) &&
-                     (vmax == nullptr || quad_aligned(vmax)) &&
-                     (master == nullptr || quad_aligned(master));
+    constexpr int kIlp = kIlpOf<P, S>;
+    const bool vec = is_aligned16(p) && is_aligned16(g) && is_aligned16(m) && is_aligned16(v) &&
+                     aligned_or_null(vmax) && aligned_or_null(master);
     for (int64_t i = static_cast<int64_t>(threadIdx.x) * kIlp; i < n;
          i += static_cast<int64_t>(blockDim.x) * kIlp) {
       const bool full = vec && i + kIlp <= n;
       float rp[kIlp], rg[kIlp], rm[kIlp], rv[kIlp], rx[kIlp];
-      load_quad(rg, g, i, n, full);
+      load_vec(rg, g, i, n, full);
       if (master != nullptr) {
-        load_quad(rp, master, i, n, full);
+        load_vec(rp, master, i, n, full);
       } else {
-        load_quad(rp, p, i, n, full);
+        load_vec(rp, p, i, n, full);
       }
-      load_quad(rm, m, i, n, full);
-      load_quad(rv, v, i, n, full);
-      if (vmax != nullptr) load_quad(rx, vmax, i, n, full);
+      load_vec(rm, m, i, n, full);
+      load_vec(rv, v, i, n, full);
+      if (vmax != nullptr) load_vec(rx, vmax, i, n, full);
       if (scale != nullptr) unscale_into_grads(g, rg, *scale, i, n, full);
 #pragma unroll
       for (int k = 0; k < kIlp; ++k) {
@@ -144,11 +156,11 @@ struct AdamOp {
         const float denom = sqrtf(second) / bc2_sqrt + s.eps;
         rp[k] = param - step_size * rm[k] / denom;
       }
-      store_quad(m, rm, i, n, full);
-      store_quad(v, rv, i, n, full);
-      if (vmax != nullptr) store_quad(vmax, rx, i, n, full);
-      if (master != nullptr) store_quad(master, rp, i, n, full);
-      store_quad(p, rp, i, n, full);
+      store_vec(m, rm, i, n, full);
+      store_vec(v, rv, i, n, full);
+      if (vmax != nullptr) store_vec(vmax, rx, i, n, full);
+      if (master != nullptr) store_vec(master, rp, i, n, full);
+      store_vec(p, rp, i, n, full);
     }
   }
 };
@@ -209,19 +221,20 @@ struct SgdOp {
                                                : nullptr;
     const float* scale = s.grad_scale;
     const float lr = s.lr_device.ptr != nullptr ? static_cast<float>(read_or(s.lr_device, 0.0)) : s.lr;
-    const bool vec = quad_aligned(p) && quad_aligned(g) && (buf == nullptr || quad_aligned(buf)) &&
-                     (master == nullptr || quad_aligned(master));
+    constexpr int kIlp = kIlpOf<P, S>;
+    const bool vec =
+        is_aligned16(p) && is_aligned16(g) && aligned_or_null(buf) && aligned_or_null(master);
     for (int64_t i = static_cast<int64_t>(threadIdx.x) * kIlp; i < n;
          i += static_cast<int64_t>(blockDim.x) * kIlp) {
       const bool full = vec && i + kIlp <= n;
       float rp[kIlp], rg[kIlp], rb[kIlp];
-      load_quad(rg, g, i, n, full);
+      load_vec(rg, g, i, n, full);
       if (master != nullptr) {
-        load_quad(rp, master, i, n, full);
+        load_vec(rp, master, i, n, full);
       } else {
-        load_quad(rp, p, i, n, full);
+        load_vec(rp, p, i, n, full);
       }
-      if (buf != nullptr && !s.is_first_step) load_quad(rb, buf, i, n, full);
+      if (buf != nullptr && !s.is_first_step) load_vec(rb, buf, i, n, full);
       if (scale != nullptr) unscale_into_grads(g, rg, *scale, i, n, full);
 #pragma unroll
       for (int k = 0; k < kIlp; ++k) {
@@ -234,9 +247,9 @@ struct SgdOp {
         }
         rp[k] = rp[k] - lr * grad;
       }
-      if (buf != nullptr) store_quad(buf, rb, i, n, full);
-      if (master != nullptr) store_quad(master, rp, i, n, full);
-      store_quad(p, rp, i, n, full);
+      if (buf != nullptr) store_vec(buf, rb, i, n, full);
+      if (master != nullptr) store_vec(master, rp, i, n, full);
+      store_vec(p, rp, i, n, full);
     }
   }
 };
@@ -298,11 +311,12 @@ struct SumSquaresOp {
     if constexpr (std::is_same_v<T, double>) {
       for (int64_t i = threadIdx.x; i < n; i += blockDim.x) acc += x[i] * x[i];
     } else {
-      const bool vec = quad_aligned(x);
+      constexpr int kIlp = kIlpOf<T>;
+      const bool vec = is_aligned16(x);
       for (int64_t i = static_cast<int64_t>(threadIdx.x) * kIlp; i < n;
            i += static_cast<int64_t>(blockDim.x) * kIlp) {
         float r[kIlp];
-        load_quad(r, x, i, n, vec && i + kIlp <= n);
+        load_vec(r, x, i, n, vec && i + kIlp <= n);
 #pragma unroll
         for (int k = 0; k < kIlp; ++k) acc += r[k] * r[k];
       }
