@@ -56,42 +56,39 @@ constexpr const char* kCaptureWarmup =
     " Run one eager training step before capturing (FusedSteps: warmup_executions >= 1; the "
     "default runs at least 2)";
 
-// Casts x with the recipe's scale, updating scale[i] and history[i] in place;
-// the first call of operand i seeds its history and marks it in both flags.
+// The rows of a quantised operand's transpose are padded to a multiple of
+// this: CUDA's _scaled_mm wants its reduced dimension a multiple of 16 (zero
+// columns add nothing); the CPU's fp32 GEMM takes any size.
+int64_t row_multiple(const at::Tensor& x) { return x.is_cuda() ? 16 : 1; }
+
+// Casts the matrix x with the recipe's scale, updating scale[i] and
+// history[i] in place, and returns the float8 x and its transpose (rows
+// padded, fusetrain::ops::fp8_quantize_current_transpose), written in one
+// pass on CUDA: the layouts the three GEMMs take. The first call of operand
+// i seeds its history and marks it in both flags.
 // A delayed cast that would seed while a CUDA graph is being captured is an
 // error: the graph would replay the seeding cast (the tensor's own amax) at
 // every step, and delayed scaling would never take over.
-at::Tensor quantize(const at::Tensor& x, at::ScalarType dtype, const at::Tensor& scale,
-                    const at::Tensor& history, const at::Tensor& seeded_buffer, Seeded& seeded,
-                    int i, bool delayed, int64_t margin) {
+std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& x, at::ScalarType dtype,
+                                            const at::Tensor& scale, const at::Tensor& history,
+                                            const at::Tensor& seeded_buffer, Seeded& seeded, int i,
+                                            bool delayed, int64_t margin) {
   at::Tensor s = scale.narrow(0, i, 1);
   at::Tensor h = history.select(0, i);
-  if (delayed && seeded.value[i]) return ops::fp8_quantize_delayed(x, dtype, s, h, margin);
+  if (delayed && seeded.value[i]) {
+    return ops::fp8_quantize_delayed_transpose(x, dtype, s, h, margin, row_multiple(x));
+  }
   TORCH_CHECK(!delayed || !capturing(x), "Float8Linear: a CUDA graph capture reached the first "
               "training step of a layer with delayed scaling, which casts with the tensor's own "
               "amax and seeds the amax history; captured, that first step would replay at every "
               "step and delayed scaling would never take over.", kCaptureWarmup);
   at::Tensor first = h.narrow(0, 0, 1);  // current scaling, or seeding the history
-  at::Tensor q = ops::fp8_quantize_current(x, dtype, s, first, margin);
+  auto q = ops::fp8_quantize_current_transpose(x, dtype, s, first, margin, row_multiple(x));
   if (!seeded.value[i]) {
     seeded.value[i] = true;
     seeded_buffer.narrow(0, i, 1).fill_(1);
   }
   return q;
-}
-
-// The same matrix laid out column-major, the second operand CUDA's
-// _scaled_mm takes; the CPU's fp32 GEMM takes any layout.
-at::Tensor column_major(const at::Tensor& q) { return q.is_cuda() ? q.t().contiguous().t() : q; }
-
-// Zero rows appended up to a multiple of 16 rows: CUDA's _scaled_mm wants the
-// reduced dimension a multiple of 16, and zero rows add nothing.
-at::Tensor pad_rows(const at::Tensor& q) {
-  const int64_t extra = (16 - q.size(0) % 16) % 16;
-  if (extra == 0 || !q.is_cuda()) return q;
-  at::Tensor padded = at::zeros({q.size(0) + extra, q.size(1)}, q.options().dtype(at::kByte));
-  padded.narrow(0, 0, q.size(0)).copy_(q.view(at::kByte));
-  return padded.view(q.scalar_type());
 }
 
 // scale_a * scale_b * (a @ b) + bias in out_dtype, a and b float8, fp32
@@ -134,20 +131,22 @@ class Float8LinearFunction : public torch::autograd::Function<Float8LinearFuncti
     const bool delayed = recipe.scaling == Float8Recipe::Scaling::kDelayed;
     const int64_t in_features = weight.size(1);
     const at::Tensor x = input.reshape({-1, in_features});
-    const at::Tensor qx = quantize(x, at::kFloat8_e4m3fn, scale, history, seeded_buffer, seeded,
-                                   kInput, delayed, recipe.margin);
-    const at::Tensor qw = quantize(weight, at::kFloat8_e4m3fn, scale, history, seeded_buffer,
-                                   seeded, kWeight, delayed, recipe.margin);
+    const auto [qx, qx_t] = quantize(x, at::kFloat8_e4m3fn, scale, history, seeded_buffer, seeded,
+                                     kInput, delayed, recipe.margin);
+    const auto [qw, qw_t] = quantize(weight, at::kFloat8_e4m3fn, scale, history, seeded_buffer,
+                                     seeded, kWeight, delayed, recipe.margin);
     const at::Tensor inv_x = scale.select(0, kInput).reciprocal();
     const at::Tensor inv_w = scale.select(0, kWeight).reciprocal();
     const at::Tensor out = scaled_mm(Float8Gemm::kForward, qx, qw.t(), inv_x, inv_w, bias,
                                      out_dtype);
-    // The operands of this call (fresh tensors) are saved; the scaling state
+    // The backward's GEMMs take the transposes (row-major qx_t [in, tokens]
+    // and qw_t [in, out] read column-major), so those are saved, not qx and
+    // qw. The operands of this call (fresh tensors) are saved; the scaling state
     // is not: it is mutable, and the backward reads and updates it live, as
     // the Python twin does (its state object rides on the context). Saved,
     // a layer applied twice in one forward would fail autograd's version
     // check, its second call having moved the scale and the history on.
-    ctx->save_for_backward({qx, qw, inv_x, inv_w});
+    ctx->save_for_backward({qx_t, qw_t, inv_x, inv_w});
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["history"] = history;
     ctx->saved_data["seeded_buffer"] = seeded_buffer;
@@ -165,27 +164,29 @@ class Float8LinearFunction : public torch::autograd::Function<Float8LinearFuncti
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &qx = saved[0], &qw = saved[1], &inv_x = saved[2], &inv_w = saved[3];
+    const at::Tensor &qx_t = saved[0], &qw_t = saved[1], &inv_x = saved[2], &inv_w = saved[3];
     const at::Tensor scale = ctx->saved_data["scale"].toTensor();
     const at::Tensor history = ctx->saved_data["history"].toTensor();
     const at::Tensor seeded_buffer = ctx->saved_data["seeded_buffer"].toTensor();
     const auto seeded_ptr = ctx->saved_data["seeded"].toCapsule();
     Seeded& seeded = seeded_of(seeded_ptr);
-    const at::Tensor g = grads[0].reshape({-1, qw.size(0)});
-    const at::Tensor qg =
+    const at::Tensor g = grads[0].reshape({-1, qw_t.size(1)});
+    const auto [qg, qg_t] =
         quantize(g, at::kFloat8_e5m2, scale, history, seeded_buffer, seeded, kGrad,
                  ctx->saved_data["delayed"].toBool(), ctx->saved_data["margin"].toInt());
     const at::Tensor inv_g = scale.select(0, kGrad).reciprocal();
     at::Tensor grad_input, grad_weight, grad_bias;
     if (ctx->needs_input_grad(0)) {
-      grad_input = scaled_mm(Float8Gemm::kGradInput, qg, column_major(qw), inv_g, inv_w, {},
+      // g [tokens, out] @ w [out, in]: w column-major is qw_t read transposed.
+      grad_input = scaled_mm(Float8Gemm::kGradInput, qg, qw_t.t(), inv_g, inv_w, {},
                              ctx->saved_data["input_dtype"].toScalarType())
                        .reshape(ctx->saved_data["input_sizes"].toIntVector());
     }
     if (ctx->needs_input_grad(1)) {
-      const at::Tensor qg_t = qg.is_cuda() ? pad_rows(qg).t().contiguous() : qg.t();
-      grad_weight = scaled_mm(Float8Gemm::kGradWeight, qg_t, column_major(pad_rows(qx)), inv_g,
-                              inv_x, {}, at::kFloat);
+      // g^T [out, tokens] @ x [tokens, in], the tokens padded with zeros on
+      // CUDA: qg_t row-major and qx_t read transposed (column-major).
+      grad_weight = scaled_mm(Float8Gemm::kGradWeight, qg_t, qx_t.t(), inv_g, inv_x, {},
+                              at::kFloat);
     }
     if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) {
       grad_bias = g.sum(0, /*keepdim=*/false, at::kFloat);

@@ -32,4 +32,24 @@ cudaError_t launch_fp8_quantize_delayed(FloatType in_type, const void* x, int64_
                                         float* history, int64_t history_len, int margin,
                                         int max_blocks, cudaStream_t stream);
 
+/// Either quantisation above of a row-major matrix x [rows, cols] that also
+/// writes its transpose in the same pass over x (Note [Float8 cast +
+/// transpose] in fp8_kernels.cu): out [rows, cols] as above, and out_t
+/// [cols, padded_rows] row-major with out_t[j * padded_rows + i] = out[i *
+/// cols + j] for i < rows and 0 for rows <= i < padded_rows (padded_rows >=
+/// rows, else cudaErrorInvalidValue; cols / 64 must fit a grid's y
+/// dimension, 65535).
+cudaError_t launch_fp8_quantize_current_transpose(FloatType in_type, const void* x, int64_t rows,
+                                                  int64_t cols, int64_t padded_rows,
+                                                  Fp8Type out_type, uint8_t* out, uint8_t* out_t,
+                                                  float* scale, float* amax, int margin,
+                                                  int max_blocks, cudaStream_t stream);
+
+cudaError_t launch_fp8_quantize_delayed_transpose(FloatType in_type, const void* x, int64_t rows,
+                                                  int64_t cols, int64_t padded_rows,
+                                                  Fp8Type out_type, uint8_t* out, uint8_t* out_t,
+                                                  float* scale, float* history,
+                                                  int64_t history_len, int margin, int max_blocks,
+                                                  cudaStream_t stream);
+
 }  // namespace fusetrain::kernels

@@ -19,6 +19,8 @@ namespace fusetrain::ops {
 namespace {
 constexpr const char* kCurrentOp = "fusetrain::fp8_quantize_current";
 constexpr const char* kDelayedOp = "fusetrain::fp8_quantize_delayed";
+constexpr const char* kCurrentTransposeOp = "fusetrain::fp8_quantize_current_transpose";
+constexpr const char* kDelayedTransposeOp = "fusetrain::fp8_quantize_delayed_transpose";
 constexpr int64_t kCpuChunk = 32768;
 namespace fp8 = kernels::fp8;
 }  // namespace
@@ -76,6 +78,35 @@ at::Tensor fp8_quantize_delayed(const at::Tensor& self, at::ScalarType dtype, at
                        .typed<at::Tensor(const at::Tensor&, at::ScalarType, at::Tensor&,
                                          at::Tensor&, int64_t)>();
   return op.call(self, dtype, scale, amax_history, margin);
+}
+
+using QuantizeTransposeFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::ScalarType,
+                                                              at::Tensor&, at::Tensor&, int64_t,
+                                                              int64_t);
+
+std::tuple<at::Tensor, at::Tensor> fp8_quantize_current_transpose(
+    const at::Tensor& self, at::ScalarType dtype, at::Tensor& scale, at::Tensor& amax,
+    int64_t margin, int64_t row_multiple) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow(kCurrentTransposeOp, "")
+                       .typed<QuantizeTransposeFn>();
+  return op.call(self, dtype, scale, amax, margin, row_multiple);
+}
+
+std::tuple<at::Tensor, at::Tensor> fp8_quantize_delayed_transpose(
+    const at::Tensor& self, at::ScalarType dtype, at::Tensor& scale, at::Tensor& amax_history,
+    int64_t margin, int64_t row_multiple) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow(kDelayedTransposeOp, "")
+                       .typed<QuantizeTransposeFn>();
+  return op.call(self, dtype, scale, amax_history, margin, row_multiple);
+}
+
+int64_t fp8_padded_rows(const char* op, const at::Tensor& self, int64_t row_multiple) {
+  TORCH_CHECK(self.defined() && self.dim() == 2, op, ": self must be a matrix, got ",
+              self.defined() ? self.dim() : 0, " dimensions");
+  TORCH_CHECK(row_multiple >= 1, op, ": row_multiple must be at least 1, got ", row_multiple);
+  return (self.size(0) + row_multiple - 1) / row_multiple * row_multiple;
 }
 
 namespace {
@@ -177,7 +208,37 @@ at::Tensor quantize_delayed_meta(const at::Tensor& self, at::ScalarType dtype, a
   return at::empty(self.sizes(), self.options().dtype(dtype));
 }
 
+// The transposing ops on every backend but CUDA: the quantisation through
+// the dispatcher, then the transpose as a copy (on CUDA one kernel writes
+// both, csrc/ops/cuda/fp8_cuda.cpp). Meta tensors take this path too.
+at::Tensor transposed_padded(const at::Tensor& q, int64_t padded_rows) {
+  at::Tensor t = at::zeros({q.size(1), padded_rows}, q.options().dtype(at::kByte));
+  t.narrow(1, 0, q.size(0)).copy_(q.view(at::kByte).t());
+  return t.view(q.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_current_transpose_generic(
+    const at::Tensor& self, at::ScalarType dtype, at::Tensor& scale, at::Tensor& amax,
+    int64_t margin, int64_t row_multiple) {
+  const int64_t padded_rows = fp8_padded_rows(kCurrentTransposeOp, self, row_multiple);
+  at::Tensor q = fp8_quantize_current(self, dtype, scale, amax, margin);
+  return {q, transposed_padded(q, padded_rows)};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_delayed_transpose_generic(
+    const at::Tensor& self, at::ScalarType dtype, at::Tensor& scale, at::Tensor& amax_history,
+    int64_t margin, int64_t row_multiple) {
+  const int64_t padded_rows = fp8_padded_rows(kDelayedTransposeOp, self, row_multiple);
+  at::Tensor q = fp8_quantize_delayed(self, dtype, scale, amax_history, margin);
+  return {q, transposed_padded(q, padded_rows)};
+}
+
 }  // namespace
+
+TORCH_LIBRARY_IMPL(fusetrain, CompositeExplicitAutograd, m) {
+  m.impl("fp8_quantize_current_transpose", &quantize_current_transpose_generic);
+  m.impl("fp8_quantize_delayed_transpose", &quantize_delayed_transpose_generic);
+}
 
 TORCH_LIBRARY_IMPL(fusetrain, CPU, m) {
   m.impl("fp8_quantize_current", &quantize_current_cpu);

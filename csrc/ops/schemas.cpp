@@ -91,4 +91,13 @@ TORCH_LIBRARY(fusetrain, m) {
   m.def(
       "fp8_quantize_delayed(Tensor self, ScalarType dtype, Tensor(a!) scale, "
       "Tensor(b!) amax_history, int margin=0) -> Tensor");
+  // The same for a matrix, also returning its transpose [cols, rows rounded
+  // up to row_multiple] with zero columns past rows (Note [Float8 cast +
+  // transpose]): the layouts the float8 backward's GEMMs take, in one pass.
+  m.def(
+      "fp8_quantize_current_transpose(Tensor self, ScalarType dtype, Tensor(a!) scale, "
+      "Tensor(b!) amax, int margin=0, int row_multiple=1) -> (Tensor, Tensor)");
+  m.def(
+      "fp8_quantize_delayed_transpose(Tensor self, ScalarType dtype, Tensor(a!) scale, "
+      "Tensor(b!) amax_history, int margin=0, int row_multiple=1) -> (Tensor, Tensor)");
 }

@@ -6,7 +6,10 @@ keys) whose three GEMMs run in float8 (``torch._scaled_mm`` on CUDA), the
 forward, the output gradient in e5m2 in the backward. The products
 accumulate in fp32; on Hopper the forward GEMM uses cuBLAS' fast-accumulation
 mode and the two backward GEMMs the exact one, as Transformer Engine and
-torchao do. The weight stays an fp32 master; its gradient is fp32.
+torchao do. The weight stays an fp32 master; its gradient is fp32. Each
+cast also writes the operand's transpose (``fusetrain::fp8_quantize_*_transpose``:
+on CUDA one kernel, one read of the operand), the layout the backward GEMMs
+take, so the backward makes no transposed or padded copies.
 
 Each of the three operands (input, weight, output gradient) has its own
 per-tensor scale, chosen by a :class:`Float8Recipe` (Note [Float8 scaling] in
@@ -173,40 +176,36 @@ class _Float8State:
         self.scale, self.history = scale, history
         self.seeded_buffer, self.seeded, self.recipe = seeded_buffer, seeded, recipe
 
-    def quantize(self, x: torch.Tensor, dtype, i: int) -> torch.Tensor:
-        """x in float8 with operand i's scale, updating its scale and history."""
+    def quantize(self, x: torch.Tensor, dtype, i: int):
+        """The matrix x in float8 with operand i's scale, updating its scale
+        and history, and its transpose with the rows padded to _row_multiple
+        (``fp8_quantize_*_transpose``: one pass on CUDA): the layouts the
+        three GEMMs take."""
         scale, history, margin = self.scale[i : i + 1], self.history[i], self.recipe.margin
+        multiple = _row_multiple(x)
         delayed = self.recipe.scaling == "delayed"
         if delayed and self.seeded[i]:
-            return torch.ops.fusetrain.fp8_quantize_delayed(x, dtype, scale, history, margin)
+            return torch.ops.fusetrain.fp8_quantize_delayed_transpose(
+                x, dtype, scale, history, margin, multiple
+            )
         if delayed and _capturing(x):
             # Checked before anything of this call is recorded or flagged.
             raise RuntimeError(_UNSEEDED_CAPTURE_ERROR)
         # Current scaling, and the first delayed call, which seeds history[0].
-        q = torch.ops.fusetrain.fp8_quantize_current(x, dtype, scale, history[:1], margin)
+        q = torch.ops.fusetrain.fp8_quantize_current_transpose(
+            x, dtype, scale, history[:1], margin, multiple
+        )
         if not self.seeded[i]:
             self.seeded[i] = True
             self.seeded_buffer[i : i + 1].fill_(1)
         return q
 
 
-def _column_major(q: torch.Tensor) -> torch.Tensor:
-    """The same matrix laid out column-major (CUDA ``_scaled_mm``'s second
-    operand); the CPU's fp32 GEMM takes any layout."""
-    if not q.is_cuda:
-        return q
-    return q.t().contiguous().t()
-
-
-def _pad_rows(q: torch.Tensor, multiple: int) -> torch.Tensor:
-    """q with zero rows appended up to a multiple of ``multiple`` rows (CUDA's
-    _scaled_mm wants the reduced dimension a multiple of 16; zero rows add
-    nothing to the product)."""
-    extra = -q.shape[0] % multiple
-    if extra == 0:
-        return q
-    bytes_ = F.pad(q.view(torch.uint8), (0, 0, 0, extra))
-    return bytes_.view(q.dtype)
+def _row_multiple(x: torch.Tensor) -> int:
+    """What a transpose's rows are padded to: CUDA's _scaled_mm wants the
+    reduced dimension a multiple of 16 (zero columns add nothing); the CPU's
+    fp32 GEMM takes any size."""
+    return 16 if x.is_cuda else 1
 
 
 def _scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, *, use_fast_accum: bool):
@@ -240,13 +239,15 @@ class _Float8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, state, out_dtype):
         in_features = weight.shape[1]
-        qx = state.quantize(input.reshape(-1, in_features), torch.float8_e4m3fn, _INPUT)
-        qw = state.quantize(weight, torch.float8_e4m3fn, _WEIGHT)
+        qx, qx_t = state.quantize(input.reshape(-1, in_features), torch.float8_e4m3fn, _INPUT)
+        qw, qw_t = state.quantize(weight, torch.float8_e4m3fn, _WEIGHT)
         # The dequantisation factors of these casts; the buffers move on.
         inv_x = state.scale[_INPUT].reciprocal()
         inv_w = state.scale[_WEIGHT].reciprocal()
         out = _scaled_mm(qx, qw.t(), inv_x, inv_w, bias, out_dtype, use_fast_accum=True)
-        ctx.save_for_backward(qx, qw, inv_x, inv_w)
+        # The backward's GEMMs take the transposes (qx_t [in, tokens] and
+        # qw_t [in, out], read column-major), so those are saved.
+        ctx.save_for_backward(qx_t, qw_t, inv_x, inv_w)
         ctx.state = state
         ctx.input_shape, ctx.input_dtype = input.shape, input.dtype
         ctx.has_bias = bias is not None
@@ -254,24 +255,23 @@ class _Float8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        qx, qw, inv_x, inv_w = ctx.saved_tensors
+        qx_t, qw_t, inv_x, inv_w = ctx.saved_tensors
         state = ctx.state
-        g = grad_output.reshape(-1, qw.shape[0])
-        qg = state.quantize(g, torch.float8_e5m2, _GRAD)
+        g = grad_output.reshape(-1, qw_t.shape[1])
+        qg, qg_t = state.quantize(g, torch.float8_e5m2, _GRAD)
         inv_g = state.scale[_GRAD].reciprocal()
         grad_input = grad_weight = grad_bias = None
         # Both backward GEMMs accumulate exactly (the weight gradient sums
         # over every token of the batch).
         if ctx.needs_input_grad[0]:
+            # g [tokens, out] @ w [out, in]: w column-major is qw_t transposed.
             grad_input = _scaled_mm(
-                qg, _column_major(qw), inv_g, inv_w, None, ctx.input_dtype, use_fast_accum=False
+                qg, qw_t.t(), inv_g, inv_w, None, ctx.input_dtype, use_fast_accum=False
             ).reshape(ctx.input_shape)
         if ctx.needs_input_grad[1]:
-            multiple = 16 if qg.is_cuda else 1
+            # g^T [out, tokens] @ x [tokens, in], tokens zero-padded on CUDA.
             grad_weight = _scaled_mm(
-                _pad_rows(qg, multiple).t().contiguous() if qg.is_cuda else qg.t(),
-                _column_major(_pad_rows(qx, multiple)),
-                inv_g, inv_x, None, torch.float32, use_fast_accum=False,
+                qg_t, qx_t.t(), inv_g, inv_x, None, torch.float32, use_fast_accum=False
             )
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = g.sum(0, dtype=torch.float32)

@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <utility>
 
 #include "fp8_kernels.h"
@@ -20,7 +21,9 @@ namespace {
 
 using fusetrain::kernels::Fp8Type;
 using fusetrain::kernels::launch_fp8_quantize_current;
+using fusetrain::kernels::launch_fp8_quantize_current_transpose;
 using fusetrain::kernels::launch_fp8_quantize_delayed;
+using fusetrain::kernels::launch_fp8_quantize_delayed_transpose;
 using kernel_test::at_offset;
 using kernel_test::float_type;
 
@@ -49,6 +52,15 @@ at::Tensor values(int64_t n, at::ScalarType dtype, bool non_finite) {
 
 // The float8 bytes of a quantised tensor.
 at::Tensor bytes_of(const at::Tensor& q) { return q.view(at::kByte); }
+
+// The transpose the cast+transpose kernels must write, computed from the
+// CPU op's bytes by plain indexing: [cols, padded_rows], zero past rows.
+at::Tensor transposed_bytes(const at::Tensor& q, int64_t padded_rows) {
+  const at::Tensor b = bytes_of(q);
+  at::Tensor t = at::zeros({b.size(1), padded_rows}, at::kByte);
+  for (int64_t i = 0; i < b.size(0); ++i) t.select(1, i).copy_(b.select(0, i));
+  return t;
+}
 
 }  // namespace
 
@@ -149,5 +161,64 @@ TEST_CASE("delayed scaling refuses a history longer than the scale kernel's bloc
   CHECK(launch_fp8_quantize_delayed(kernel_test::FloatType::kFloat32, nullptr, 0, Fp8Type::kE4M3,
                                     nullptr, &scale, history.data_ptr<float>(), 1025, 0, 4,
                                     nullptr) == cudaErrorInvalidValue);
+  CHECK(cuda_emu::counts().launches == launches);
+}
+
+// Note [Float8 cast + transpose]: both layouts in one pass, against the CPU
+// op's bytes and their transpose. Shapes: one element; ragged tiles on both
+// sides (odd columns make every row after the first misaligned, so the
+// scalar paths run); exactly one 64 x 64 tile; several tiles with the
+// padded rows spilling into a tile of their own; padding not a multiple of
+// 16 (the byte-wise transposed stores).
+TEST_CASE("cast+transpose kernels write both layouts, bit for bit", "[kernels][fp8]") {
+  at::manual_seed(6);
+  const at::ScalarType in = GENERATE(at::kFloat, at::kHalf, at::kBFloat16);
+  const at::ScalarType out = GENERATE(at::kFloat8_e4m3fn, at::kFloat8_e5m2);
+  const auto [rows, cols, padded_rows] = GENERATE(
+      std::tuple<int64_t, int64_t, int64_t>{1, 1, 16}, std::tuple<int64_t, int64_t, int64_t>{15, 17, 16},
+      std::tuple<int64_t, int64_t, int64_t>{64, 64, 64}, std::tuple<int64_t, int64_t, int64_t>{130, 96, 144},
+      std::tuple<int64_t, int64_t, int64_t>{190, 33, 195}, std::tuple<int64_t, int64_t, int64_t>{0, 48, 16});
+  const int64_t x_offset = GENERATE(0, 3);
+  const bool delayed = GENERATE(false, true);
+  CAPTURE(in, out, rows, cols, padded_rows, x_offset, delayed);
+
+  const at::Tensor x = at_offset(values(rows * cols, in, rows * cols > 7), x_offset);
+  at::Tensor q = at::full({rows, cols}, 0xaa, at::kByte);
+  // Filled with a marker, so a byte the kernel fails to write shows.
+  at::Tensor q_t = at::full({cols, padded_rows}, 0xaa, at::kByte);
+  at::Tensor scale = at::full({1}, 3.f);
+  at::Tensor state = delayed ? at::tensor({0.5f, 2.f, 0.25f}) : at::full({1}, -1.f);
+  at::Tensor ref_scale = scale.clone();
+  at::Tensor ref_state = delayed ? state.clone() : at::zeros({1});
+  const int margin = delayed ? 1 : 0;
+  if (delayed) {
+    REQUIRE_LAUNCH(launch_fp8_quantize_delayed_transpose(
+        float_type(in), x.data_ptr(), rows, cols, padded_rows, fp8_type(out),
+        q.data_ptr<uint8_t>(), q_t.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+        state.data_ptr<float>(), state.numel(), margin, 8, nullptr));
+  } else {
+    REQUIRE_LAUNCH(launch_fp8_quantize_current_transpose(
+        float_type(in), x.data_ptr(), rows, cols, padded_rows, fp8_type(out),
+        q.data_ptr<uint8_t>(), q_t.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+        state.data_ptr<float>(), margin, 8, nullptr));
+  }
+  const at::Tensor x2 = x.view({rows, cols});
+  const at::Tensor ref =
+      delayed ? fusetrain::ops::fp8_quantize_delayed(x2, out, ref_scale, ref_state, margin)
+              : fusetrain::ops::fp8_quantize_current(x2, out, ref_scale, ref_state, margin);
+  REQUIRE_BITS_EQUAL(scale, ref_scale);
+  REQUIRE_BITS_EQUAL(state, ref_state);
+  REQUIRE_BITS_EQUAL(q, bytes_of(ref));
+  REQUIRE_BITS_EQUAL(q_t, transposed_bytes(ref, padded_rows));
+}
+
+TEST_CASE("cast+transpose refuses fewer padded rows than rows", "[kernels][fp8]") {
+  float scale = 1.f;
+  float amax = 0.f;
+  const int64_t launches = cuda_emu::counts().launches;
+  uint8_t byte = 0;
+  CHECK(launch_fp8_quantize_current_transpose(kernel_test::FloatType::kFloat32, &scale, 2, 1, 1,
+                                              Fp8Type::kE4M3, &byte, &byte, &scale, &amax, 0, 4,
+                                              nullptr) == cudaErrorInvalidValue);
   CHECK(cuda_emu::counts().launches == launches);
 }

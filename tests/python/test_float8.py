@@ -32,6 +32,8 @@ FLT_MAX = float(np.finfo(np.float32).max)
 
 current_op = torch.ops.fusetrain.fp8_quantize_current
 delayed_op = torch.ops.fusetrain.fp8_quantize_delayed
+current_t_op = torch.ops.fusetrain.fp8_quantize_current_transpose
+delayed_t_op = torch.ops.fusetrain.fp8_quantize_delayed_transpose
 
 
 # ------------------------------------------------------------ the reference
@@ -187,6 +189,55 @@ def test_bad_arguments_name_what_is_wrong():
     s = torch.ones(1)
     with pytest.raises(RuntimeError, match="must be different tensors"):
         current_op(x, E4M3, s, s)
+
+
+def padded_transpose(q: torch.Tensor, padded_rows: int) -> np.ndarray:
+    """q's bytes transposed by an explicit loop, zero columns up to padded_rows."""
+    b = as_bytes(q)
+    out = np.zeros((b.shape[1], padded_rows), dtype=np.uint8)
+    for i in range(b.shape[0]):
+        out[:, i] = b[i]
+    return out
+
+
+@pytest.mark.parametrize("transposing,plain", [(current_t_op, current_op), (delayed_t_op, delayed_op)])
+@pytest.mark.parametrize("rows,cols,multiple,padded", [(5, 7, 1, 5), (5, 7, 16, 16), (33, 16, 16, 48),
+                                                        (32, 3, 16, 32), (0, 4, 16, 0), (9, 2, 5, 10)])
+def test_transposing_quantisation_returns_the_plain_ops_result_and_its_padded_transpose(
+    transposing, plain, rows, cols, multiple, padded
+):
+    x = wide_range(rows * cols, seed=rows).reshape(rows, cols).to(torch.bfloat16)
+    state = torch.tensor([0.0]) if plain is current_op else torch.tensor([0.25, 3.0])
+    s, st = torch.full((1,), 2.0), state.clone()
+    s_ref, st_ref = s.clone(), state.clone()
+    q, q_t = transposing(x, E5M2, s, st, 1, multiple)
+    ref = plain(x, E5M2, s_ref, st_ref, 1)
+    assert q.dtype == q_t.dtype == E5M2 and q_t.shape == (cols, padded)
+    np.testing.assert_array_equal(as_bytes(q), as_bytes(ref))
+    np.testing.assert_array_equal(as_bytes(q_t), padded_transpose(ref, padded))
+    np.testing.assert_array_equal(s.numpy(), s_ref.numpy())
+    np.testing.assert_array_equal(st.numpy(), st_ref.numpy())
+
+
+def test_transposing_quantisation_checks_its_arguments_and_has_meta_shapes():
+    s, amax = torch.ones(1), torch.zeros(1)
+    with pytest.raises(RuntimeError, match="self must be a matrix, got 1 dimensions"):
+        current_t_op(torch.ones(4), E4M3, s, amax)
+    with pytest.raises(RuntimeError, match="row_multiple must be at least 1, got 0"):
+        delayed_t_op(torch.ones(2, 2), E4M3, s, amax, 0, 0)
+    with pytest.raises(RuntimeError, match="dtype must be torch.float8_e4m3fn"):
+        current_t_op(torch.ones(2, 2), torch.float16, s, amax)
+    meta = dict(device="meta")
+    q, q_t = current_t_op(torch.ones(20, 8, **meta), E4M3, torch.ones(1, **meta),
+                          torch.zeros(1, **meta), 0, 16)
+    assert q.shape == (20, 8) and q_t.shape == (8, 32) and q_t.device.type == "meta"
+
+
+def test_transposing_quantisation_passes_opcheck():
+    x = wide_range(24 * 16).reshape(24, 16)
+    for op, state in [(current_t_op, torch.zeros(1)), (delayed_t_op, torch.tensor([1.0, 2.0]))]:
+        torch.library.opcheck(op, (x, E4M3, torch.ones(1), state.clone(), 0, 16),
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 def test_delayed_scaling_rolls_the_history_and_follows_the_formula():
@@ -692,6 +743,24 @@ def test_cuda_quantize_is_bit_identical_to_the_cpu(dtype, in_dtype, n, offset, n
         np.testing.assert_array_equal(as_int32(s_gpu), as_int32(s_cpu))
         np.testing.assert_array_equal(as_int32(st_gpu), as_int32(st_cpu))
         np.testing.assert_array_equal(as_bytes(q_gpu.cpu()), as_bytes(q_cpu))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("in_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,cols", [(1, 16), (40, 64), (130, 96), (8193, 48), (300, 33)])
+def test_cuda_cast_transpose_is_bit_identical_to_the_cpu(in_dtype, rows, cols):
+    x = wide_range(rows * cols, seed=cols).reshape(rows, cols).to(in_dtype)
+    x[rows // 2, cols // 3] = float("nan")
+    for op, state in [(current_t_op, torch.zeros(1)), (delayed_t_op, torch.tensor([0.5, 3.0]))]:
+        for dtype in (E4M3, E5M2):
+            s_cpu, st_cpu = torch.full((1,), 2.0), state.clone()
+            s_gpu, st_gpu = s_cpu.cuda(), state.cuda()
+            q_cpu, t_cpu = op(x, dtype, s_cpu, st_cpu, 1, 16)
+            q_gpu, t_gpu = op(x.cuda(), dtype, s_gpu, st_gpu, 1, 16)
+            np.testing.assert_array_equal(as_int32(s_gpu), as_int32(s_cpu))
+            np.testing.assert_array_equal(as_int32(st_gpu), as_int32(st_cpu))
+            np.testing.assert_array_equal(as_bytes(q_gpu.cpu()), as_bytes(q_cpu))
+            np.testing.assert_array_equal(as_bytes(t_gpu.cpu()), as_bytes(t_cpu))
 
 
 @pytest.mark.cuda
