@@ -271,16 +271,18 @@ __global__ void __launch_bounds__(RowGroup<kRowThreads>::kBlock)
     g[j] = from_float<T>(grad_of(j, to_float(x[j])));
 }
 
-// One block: the sum of row_loss (when given; double accumulation, fixed
-// order, so deterministic) and the count of kept rows. Writes the count when
-// row_loss is null, else the sum or, when `mean`, the sum over the count.
+// One block: the sum of row_loss (double accumulation, fixed order, so
+// deterministic) and the count of kept rows. Writes *out = the sum or, when
+// `mean`, the sum over the count (when out is given: row_loss is then too),
+// and *kept_out = the count (when given).
 __global__ void __launch_bounds__(kReduceBlock)
     reduce_kernel(const float* __restrict__ row_loss, const int64_t* __restrict__ target, int64_t n,
-                  int64_t ignore_index, bool mean, float* __restrict__ out) {
+                  int64_t ignore_index, bool mean, float* __restrict__ out,
+                  float* __restrict__ kept_out) {
   double sum = 0.0;
   long long kept = 0;
   for (int64_t i = threadIdx.x; i < n; i += kReduceBlock) {
-    if (row_loss != nullptr) sum += row_loss[i];
+    if (out != nullptr) sum += row_loss[i];
     kept += target[i] != ignore_index;
   }
 #pragma unroll
@@ -306,12 +308,9 @@ __global__ void __launch_bounds__(kReduceBlock)
     kept += __shfl_xor_sync(0xffffffffu, kept, offset);
   }
   if (lane != 0) return;
-  if (row_loss == nullptr) {
-    *out = static_cast<float>(kept);
-  } else {
-    // No kept rows: 0 / 0 = NaN, torch's mean of an all-ignored batch.
-    *out = static_cast<float>(mean ? sum / static_cast<double>(kept) : sum);
-  }
+  if (kept_out != nullptr) *kept_out = static_cast<float>(kept);
+  // No kept rows: 0 / 0 = NaN, torch's mean of an all-ignored batch.
+  if (out != nullptr) *out = static_cast<float>(mean ? sum / static_cast<double>(kept) : sum);
 }
 
 template <int kRowThreads>
@@ -395,19 +394,22 @@ cudaError_t launch_cross_entropy_forward(const CrossEntropyRows& rows, float* ro
 
 cudaError_t launch_cross_entropy_reduce(const float* row_loss, const int64_t* target, int64_t n,
                                         int64_t ignore_index, bool mean, float* out,
-                                        cudaStream_t stream) {
-  reduce_kernel<<<1, kReduceBlock, 0, stream>>>(row_loss, target, n, ignore_index, mean, out);
+                                        float* kept_out, cudaStream_t stream) {
+  reduce_kernel<<<1, kReduceBlock, 0, stream>>>(row_loss, target, n, ignore_index, mean, out,
+                                                kept_out);
   return cudaGetLastError();
 }
 
 cudaError_t launch_cross_entropy_backward(const CrossEntropyRows& rows, const float* grad_loss,
-                                          bool per_row, bool mean, float* count_scratch,
-                                          const float* lse, void* grad, cudaStream_t stream) {
+                                          bool per_row, bool mean, const float* kept_rows,
+                                          float* count_scratch, const float* lse, void* grad,
+                                          cudaStream_t stream) {
   if (rows.n == 0 || rows.c == 0) return cudaSuccess;
-  const float* kept_rows = nullptr;
-  if (mean) {
+  if (!mean) {
+    kept_rows = nullptr;
+  } else if (kept_rows == nullptr) {
     reduce_kernel<<<1, kReduceBlock, 0, stream>>>(nullptr, rows.target, rows.n, rows.ignore_index,
-                                                  false, count_scratch);
+                                                  false, nullptr, count_scratch);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
     kept_rows = count_scratch;

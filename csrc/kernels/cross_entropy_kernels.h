@@ -34,20 +34,25 @@ struct CrossEntropyRows {
 cudaError_t launch_cross_entropy_forward(const CrossEntropyRows& rows, float* row_loss, float* lse,
                                          cudaStream_t stream);
 
-/// *out = sum of row_loss[0, n), divided by the number of rows whose target
-/// is not ignore_index when `mean` (NaN when there is none). One block.
+/// One block over the rows: *out = sum of row_loss[0, n), divided by the
+/// number of rows whose target is not ignore_index when `mean` (NaN when
+/// there is none); and *kept_out = that number (as a float: exact up to
+/// 2^24 rows). Either output may be null (row_loss may be too when out is).
 cudaError_t launch_cross_entropy_reduce(const float* row_loss, const int64_t* target, int64_t n,
                                         int64_t ignore_index, bool mean, float* out,
-                                        cudaStream_t stream);
+                                        float* kept_out, cudaStream_t stream);
 
 /// grad[i, j] = g_i * (softmax_ij - ls / c - (1 - ls) * [j == target[i]]) in
 /// the logits' type, rows contiguous (row stride c); zero rows where ignored.
 /// g_i = grad_loss[i] when `per_row`, else grad_loss[0], divided by the
-/// number of kept rows when `mean`; that count goes through `count_scratch`
-/// (one float of device memory, only used when `mean`). The softmax is
-/// recomputed from the logits and `lse`; nothing is read back to the host.
+/// number of kept rows when `mean`: *kept_rows, the forward's count
+/// (launch_cross_entropy_reduce's kept_out), when given; else the rows are
+/// counted first into `count_scratch` (one float of device memory), one
+/// more launch. The softmax is recomputed from the logits and `lse`;
+/// nothing is read back to the host.
 cudaError_t launch_cross_entropy_backward(const CrossEntropyRows& rows, const float* grad_loss,
-                                          bool per_row, bool mean, float* count_scratch,
-                                          const float* lse, void* grad, cudaStream_t stream);
+                                          bool per_row, bool mean, const float* kept_rows,
+                                          float* count_scratch, const float* lse, void* grad,
+                                          cudaStream_t stream);
 
 }  // namespace fusetrain::kernels

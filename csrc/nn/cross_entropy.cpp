@@ -15,9 +15,11 @@ class SoftmaxCrossEntropyFunction : public torch::autograd::Function<SoftmaxCros
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
                             const at::Tensor& target, int64_t ignore_index, double label_smoothing,
                             const std::string& reduction) {
-    auto [loss, lse] = ops::softmax_cross_entropy_forward(logits, target, ignore_index,
-                                                          label_smoothing, reduction);
+    auto [loss, lse, kept_rows] = ops::softmax_cross_entropy_forward(
+        logits, target, ignore_index, label_smoothing, reduction);
     ctx->save_for_backward({logits, target, lse});
+    // The count "mean" divides by, so the backward does not count again.
+    ctx->saved_data["kept_rows"] = kept_rows;
     ctx->saved_data["ignore_index"] = ignore_index;
     ctx->saved_data["label_smoothing"] = label_smoothing;
     ctx->saved_data["reduction"] = reduction;
@@ -31,7 +33,8 @@ class SoftmaxCrossEntropyFunction : public torch::autograd::Function<SoftmaxCros
     const at::Tensor grad_loss = grads[0].to(at::kFloat);
     at::Tensor grad_logits = ops::softmax_cross_entropy_backward(
         grad_loss, saved[0], saved[1], saved[2], ctx->saved_data["ignore_index"].toInt(),
-        ctx->saved_data["label_smoothing"].toDouble(), ctx->saved_data["reduction"].toStringRef());
+        ctx->saved_data["label_smoothing"].toDouble(), ctx->saved_data["reduction"].toStringRef(),
+        ctx->saved_data["kept_rows"].toTensor());
     return {grad_logits, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

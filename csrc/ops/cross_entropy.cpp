@@ -76,7 +76,8 @@ void check_cross_entropy_forward_args(const at::Tensor& logits, const at::Tensor
 
 void check_cross_entropy_backward_args(const at::Tensor& grad_loss, const at::Tensor& logits,
                                        const at::Tensor& target, const at::Tensor& lse,
-                                       double label_smoothing, const std::string& reduction) {
+                                       double label_smoothing, const std::string& reduction,
+                                       const std::optional<at::Tensor>& kept_rows) {
   check_cross_entropy_forward_args(logits, target, label_smoothing, reduction);
   const int64_t n = logits.size(0);
   TORCH_CHECK(grad_loss.defined(), kBackwardOp, ": grad_loss is undefined");
@@ -96,6 +97,18 @@ void check_cross_entropy_backward_args(const at::Tensor& grad_loss, const at::Te
               " of shape ", lse.sizes());
   check_same_device(grad_loss, logits, kBackwardOp, "grad_loss", "logits");
   check_same_device(lse, logits, kBackwardOp, "lse", "logits");
+  if (kept_rows.has_value() && kept_rows->defined() &&
+      parse_reduction(reduction, kBackwardOp) == Reduction::kMean) {
+    TORCH_CHECK(kept_rows->scalar_type() == at::kFloat && kept_rows->numel() == 1, kBackwardOp,
+                ": kept_rows must be the forward's float32 count of one element, got ",
+                kept_rows->scalar_type(), " of shape ", kept_rows->sizes());
+    check_same_device(*kept_rows, logits, kBackwardOp, "kept_rows", "logits");
+  }
+}
+
+at::Tensor kept_rows_output(const at::Tensor& count, Reduction reduction) {
+  if (reduction == Reduction::kNone) return at::empty({0}, count.options().dtype(at::kFloat));
+  return count.to(at::kFloat).reshape({});
 }
 
 at::Tensor with_contiguous_rows(const at::Tensor& logits) {
@@ -105,28 +118,29 @@ at::Tensor with_contiguous_rows(const at::Tensor& logits) {
   return logits.contiguous();
 }
 
-std::tuple<at::Tensor, at::Tensor> softmax_cross_entropy_forward(const at::Tensor& logits,
-                                                                 const at::Tensor& target,
-                                                                 int64_t ignore_index,
-                                                                 double label_smoothing,
-                                                                 const std::string& reduction) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow(kForwardOp, "")
-          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, int64_t,
-                                                    double, c10::string_view)>();
+std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_cross_entropy_forward(
+    const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
+    double label_smoothing, const std::string& reduction) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow(kForwardOp, "")
+                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                           const at::Tensor&, const at::Tensor&, int64_t, double,
+                           c10::string_view)>();
   return op.call(logits, target, ignore_index, label_smoothing, reduction);
 }
 
 at::Tensor softmax_cross_entropy_backward(const at::Tensor& grad_loss, const at::Tensor& logits,
                                           const at::Tensor& target, const at::Tensor& lse,
                                           int64_t ignore_index, double label_smoothing,
-                                          const std::string& reduction) {
+                                          const std::string& reduction,
+                                          const std::optional<at::Tensor>& kept_rows) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow(kBackwardOp, "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, int64_t, double, c10::string_view)>();
-  return op.call(grad_loss, logits, target, lse, ignore_index, label_smoothing, reduction);
+                                         const at::Tensor&, int64_t, double, c10::string_view,
+                                         const std::optional<at::Tensor>&)>();
+  return op.call(grad_loss, logits, target, lse, ignore_index, label_smoothing, reduction,
+                 kept_rows);
 }
 
 namespace {
@@ -337,10 +351,11 @@ int64_t count_kept(const int64_t* target, int64_t n, int64_t ignore_index) {
   return kept;
 }
 
-std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& logits_in,
-                                               const at::Tensor& target_in, int64_t ignore_index,
-                                               double label_smoothing,
-                                               c10::string_view reduction_view) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cpu(const at::Tensor& logits_in,
+                                                           const at::Tensor& target_in,
+                                                           int64_t ignore_index,
+                                                           double label_smoothing,
+                                                           c10::string_view reduction_view) {
   if (cpu_path() == CpuPath::kGeneric)
     return generic::softmax_cross_entropy_forward(logits_in, target_in, ignore_index,
                                                   label_smoothing, reduction_view);
@@ -376,29 +391,30 @@ std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& logits_in,
         TORCH_CHECK(false, kForwardOp, ": unsupported dtype ", logits.scalar_type());
     }
   }
-  if (red == Reduction::kNone) return {rows, lse};
+  if (red == Reduction::kNone) return {rows, lse, at::empty({0}, f32)};
 
   // A serial sum in double: deterministic whatever the thread count, and N
   // is small next to the N x C pass above.
   const float* r = rows.const_data_ptr<float>();
   double total = 0.0;
   for (int64_t i = 0; i < n; ++i) total += r[i];
-  if (red == Reduction::kMean) {
-    // No kept rows: 0 / 0 = NaN, as torch's mean gives.
-    total /= static_cast<double>(count_kept(t, n, ignore_index));
-  }
-  return {at::full({}, total, f32), lse};
+  const auto kept = static_cast<double>(count_kept(t, n, ignore_index));
+  // No kept rows: 0 / 0 = NaN, as torch's mean gives.
+  if (red == Reduction::kMean) total /= kept;
+  return {at::full({}, total, f32), lse, at::full({}, kept, f32)};
 }
 
 at::Tensor backward_cpu(const at::Tensor& grad_loss_in, const at::Tensor& logits_in,
                         const at::Tensor& target_in, const at::Tensor& lse_in, int64_t ignore_index,
-                        double label_smoothing, c10::string_view reduction_view) {
+                        double label_smoothing, c10::string_view reduction_view,
+                        const std::optional<at::Tensor>& kept_rows) {
   if (cpu_path() == CpuPath::kGeneric)
     return generic::softmax_cross_entropy_backward(grad_loss_in, logits_in, target_in, lse_in,
-                                                   ignore_index, label_smoothing, reduction_view);
+                                                   ignore_index, label_smoothing, reduction_view,
+                                                   kept_rows);
   const std::string reduction(reduction_view);
   check_cross_entropy_backward_args(grad_loss_in, logits_in, target_in, lse_in, label_smoothing,
-                                    reduction);
+                                    reduction, kept_rows);
   const Reduction red = parse_reduction(reduction, kBackwardOp);
   const at::Tensor logits = with_contiguous_rows(logits_in);
   const at::Tensor target = target_in.contiguous();
@@ -412,8 +428,12 @@ at::Tensor backward_cpu(const at::Tensor& grad_loss_in, const at::Tensor& logits
   at::Tensor grad = GradientBlocks::get().empty({n, c}, logits.options());
   if (n == 0 || c == 0) return grad;
   // With no kept rows every row is zeroed and the divisor is never used.
-  const float divisor =
-      red == Reduction::kMean ? static_cast<float>(count_kept(t, n, ignore_index)) : 1.f;
+  float divisor = 1.f;
+  if (red == Reduction::kMean) {
+    divisor = kept_rows.has_value() && kept_rows->defined()
+                  ? kept_rows->item<float>()
+                  : static_cast<float>(count_kept(t, n, ignore_index));
+  }
   const bool per_row = red == Reduction::kNone;
   const int64_t stride = logits.stride(0);
   const float* g = grad_loss.const_data_ptr<float>();
@@ -437,23 +457,27 @@ at::Tensor backward_cpu(const at::Tensor& grad_loss_in, const at::Tensor& logits
   return grad;
 }
 
-std::tuple<at::Tensor, at::Tensor> forward_meta(const at::Tensor& logits, const at::Tensor& target,
-                                                int64_t ignore_index, double label_smoothing,
-                                                c10::string_view reduction_view) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_meta(const at::Tensor& logits,
+                                                            const at::Tensor& target,
+                                                            int64_t ignore_index,
+                                                            double label_smoothing,
+                                                            c10::string_view reduction_view) {
   const std::string reduction(reduction_view);
   check_cross_entropy_forward_args(logits, target, label_smoothing, reduction);
   const auto f32 = logits.options().dtype(at::kFloat);
   const int64_t n = logits.size(0);
-  at::Tensor loss = parse_reduction(reduction, kForwardOp) == Reduction::kNone ? at::empty({n}, f32)
-                                                                               : at::empty({}, f32);
-  return {loss, at::empty({n}, f32)};
+  const bool none = parse_reduction(reduction, kForwardOp) == Reduction::kNone;
+  return {none ? at::empty({n}, f32) : at::empty({}, f32), at::empty({n}, f32),
+          none ? at::empty({0}, f32) : at::empty({}, f32)};
 }
 
 at::Tensor backward_meta(const at::Tensor& grad_loss, const at::Tensor& logits,
                          const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index,
-                         double label_smoothing, c10::string_view reduction_view) {
+                         double label_smoothing, c10::string_view reduction_view,
+                         const std::optional<at::Tensor>& kept_rows) {
   const std::string reduction(reduction_view);
-  check_cross_entropy_backward_args(grad_loss, logits, target, lse, label_smoothing, reduction);
+  check_cross_entropy_backward_args(grad_loss, logits, target, lse, label_smoothing, reduction,
+                                    kept_rows);
   return at::empty({logits.size(0), logits.size(1)}, logits.options());
 }
 

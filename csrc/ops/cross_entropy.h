@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -24,10 +25,13 @@ Reduction parse_reduction(const std::string& reduction, const char* op);
 ///   - loss: float32, [N] for "none", else 0-d: the sum, or the sum divided by
 ///     the number of non-ignored rows for "mean" (NaN when every row is
 ///     ignored, as torch gives);
-///   - lse: float32 [N], each row's log-sum-exp, which the backward reuses.
+///   - lse: float32 [N], each row's log-sum-exp, which the backward reuses;
+///   - kept_rows: float32 0-d, the number of rows whose target is not
+///     ignore_index, which the backward of "mean" divides by (empty for
+///     "none"; on CUDA counted in the pass that sums the loss).
 /// A target outside [0, C) that is not ignore_index is an error naming the
 /// row (on CUDA a device-side assert, as in torch's nll_loss).
-std::tuple<at::Tensor, at::Tensor> softmax_cross_entropy_forward(const at::Tensor& logits,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_cross_entropy_forward(const at::Tensor& logits,
                                                                  const at::Tensor& target,
                                                                  int64_t ignore_index,
                                                                  double label_smoothing,
@@ -36,12 +40,15 @@ std::tuple<at::Tensor, at::Tensor> softmax_cross_entropy_forward(const at::Tenso
 /// Gradient of the forward's loss with respect to `logits`, in the logits'
 /// dtype: grad_ij = g_i * (softmax_ij - ls / C - (1 - ls) * [j == t_i]), zero
 /// on ignored rows, where g_i is grad_loss[i] ("none"), grad_loss ("sum") or
-/// grad_loss / (non-ignored rows) ("mean"). The softmax is recomputed from the
-/// logits and the saved `lse`; nothing of size [N, C] is stored between passes.
+/// grad_loss / (non-ignored rows) ("mean"): the forward's `kept_rows` when
+/// given, else counted again (on CUDA one more launch). The softmax is
+/// recomputed from the logits and the saved `lse`; nothing of size [N, C] is
+/// stored between passes.
 at::Tensor softmax_cross_entropy_backward(const at::Tensor& grad_loss, const at::Tensor& logits,
                                           const at::Tensor& target, const at::Tensor& lse,
                                           int64_t ignore_index, double label_smoothing,
-                                          const std::string& reduction);
+                                          const std::string& reduction,
+                                          const std::optional<at::Tensor>& kept_rows = {});
 
 /// Validates the forward's arguments (shared by the CPU, CUDA and Meta kernels).
 void check_cross_entropy_forward_args(const at::Tensor& logits, const at::Tensor& target,
@@ -54,6 +61,11 @@ at::Tensor with_contiguous_rows(const at::Tensor& logits);
 /// Validates the backward's arguments.
 void check_cross_entropy_backward_args(const at::Tensor& grad_loss, const at::Tensor& logits,
                                        const at::Tensor& target, const at::Tensor& lse,
-                                       double label_smoothing, const std::string& reduction);
+                                       double label_smoothing, const std::string& reduction,
+                                       const std::optional<at::Tensor>& kept_rows);
+
+/// The forward's kept_rows output for `reduction`: `count` as a float32 0-d
+/// tensor, or an empty one for "none".
+at::Tensor kept_rows_output(const at::Tensor& count, Reduction reduction);
 
 }  // namespace fusetrain::ops

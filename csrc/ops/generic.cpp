@@ -277,11 +277,9 @@ Rows rows_of(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> softmax_cross_entropy_forward(const at::Tensor& logits,
-                                                                 const at::Tensor& target,
-                                                                 int64_t ignore_index,
-                                                                 double label_smoothing,
-                                                                 c10::string_view reduction_view) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_cross_entropy_forward(
+    const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
+    double label_smoothing, c10::string_view reduction_view) {
   const std::string reduction(reduction_view);
   check_cross_entropy_forward_args(logits, target, label_smoothing, reduction);
   const Reduction red = parse_reduction(reduction, "fusetrain::softmax_cross_entropy_forward");
@@ -294,18 +292,21 @@ std::tuple<at::Tensor, at::Tensor> softmax_cross_entropy_forward(const at::Tenso
   }
   loss =
       at::where(r.kept, loss, 0.f).masked_fill(r.invalid, std::numeric_limits<float>::quiet_NaN());
-  if (red == Reduction::kSum) return {loss.sum(), lse};
+  const at::Tensor kept_rows = kept_rows_output(r.kept.sum(), red);
+  if (red == Reduction::kSum) return {loss.sum(), lse, kept_rows};
   // No kept row: 0 / 0 = NaN, as torch's mean gives.
-  if (red == Reduction::kMean) return {loss.sum().div(r.kept.sum()), lse};
-  return {loss, lse};
+  if (red == Reduction::kMean) return {loss.sum().div(kept_rows), lse, kept_rows};
+  return {loss, lse, kept_rows};
 }
 
 at::Tensor softmax_cross_entropy_backward(const at::Tensor& grad_loss, const at::Tensor& logits,
                                           const at::Tensor& target, const at::Tensor& lse,
                                           int64_t ignore_index, double label_smoothing,
-                                          c10::string_view reduction_view) {
+                                          c10::string_view reduction_view,
+                                          const std::optional<at::Tensor>& kept_rows) {
   const std::string reduction(reduction_view);
-  check_cross_entropy_backward_args(grad_loss, logits, target, lse, label_smoothing, reduction);
+  check_cross_entropy_backward_args(grad_loss, logits, target, lse, label_smoothing, reduction,
+                                    kept_rows);
   const Reduction red = parse_reduction(reduction, "fusetrain::softmax_cross_entropy_backward");
   const int64_t c = logits.size(1);
   const Rows r = rows_of(logits, target, ignore_index);
@@ -316,7 +317,9 @@ at::Tensor softmax_cross_entropy_backward(const at::Tensor& grad_loss, const at:
   if (ls != 0.f) grad = grad.sub(ls / static_cast<float>(c));
   grad = grad.scatter_add(1, r.target, at::full({logits.size(0), 1}, -(1.f - ls), r.x.options()));
   at::Tensor row_scale = red == Reduction::kNone ? grad_loss : grad_loss.reshape({});
-  if (red == Reduction::kMean) row_scale = row_scale.div(r.kept.sum());
+  if (red == Reduction::kMean) {
+    row_scale = row_scale.div(given(kept_rows) ? kept_rows->reshape({}) : r.kept.sum());
+  }
   grad = grad.mul(red == Reduction::kNone ? row_scale.unsqueeze(1) : row_scale);
   grad = at::where(r.kept.unsqueeze(1), grad, 0.f)
              .masked_fill(r.invalid.unsqueeze(1), std::numeric_limits<float>::quiet_NaN());

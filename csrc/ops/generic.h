@@ -72,16 +72,15 @@ void fused_sgd_(at::TensorList params, at::TensorList grads, at::TensorList mome
 
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm(at::TensorList tensors, bool per_tensor);
 
-std::tuple<at::Tensor, at::Tensor> softmax_cross_entropy_forward(const at::Tensor& logits,
-                                                                 const at::Tensor& target,
-                                                                 int64_t ignore_index,
-                                                                 double label_smoothing,
-                                                                 c10::string_view reduction);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_cross_entropy_forward(
+    const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
+    double label_smoothing, c10::string_view reduction);
 
 at::Tensor softmax_cross_entropy_backward(const at::Tensor& grad_loss, const at::Tensor& logits,
                                           const at::Tensor& target, const at::Tensor& lse,
                                           int64_t ignore_index, double label_smoothing,
-                                          c10::string_view reduction);
+                                          c10::string_view reduction,
+                                          const std::optional<at::Tensor>& kept_rows);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_relu(
     const at::Tensor& input, const std::optional<at::Tensor>& weight,

@@ -45,14 +45,17 @@ TORCH_LIBRARY(fusetrain, m) {
 
   // Softmax cross-entropy over [N, C] logits (fp32/fp16/bf16) with int64
   // targets, fp32 accumulation. Returns the loss (fp32; shape [N] for
-  // reduction "none", else 0-d) and the per-row log-sum-exp the backward reuses.
+  // reduction "none", else 0-d), the per-row log-sum-exp the backward reuses
+  // and the count of rows not ignored (fp32, 0-d; empty for "none").
   m.def(
       "softmax_cross_entropy_forward(Tensor logits, Tensor target, int ignore_index, "
-      "float label_smoothing, str reduction) -> (Tensor loss, Tensor lse)");
-  // Gradient of the above with respect to the logits, in the logits' dtype.
+      "float label_smoothing, str reduction) -> (Tensor loss, Tensor lse, Tensor kept_rows)");
+  // Gradient of the above with respect to the logits, in the logits' dtype;
+  // "mean" divides by kept_rows, the forward's count, when given (else counts).
   m.def(
       "softmax_cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, "
-      "Tensor lse, int ignore_index, float label_smoothing, str reduction) -> Tensor");
+      "Tensor lse, int ignore_index, float label_smoothing, str reduction, "
+      "Tensor? kept_rows=None) -> Tensor");
 
   // Max pooling over non-overlapping windows (stride = kernel_size, no
   // padding, floor mode) of [N, C, H, W]: out (the input's dtype and memory

@@ -286,15 +286,17 @@ TEST_CASE("CUDA softmax_cross_entropy matches the CPU op", "[cuda][cross_entropy
   const at::Tensor x = cs.logits.to(cuda);
   const at::Tensor t = cs.target.to(cuda);
 
-  at::Tensor loss_cpu, lse_cpu, loss_gpu, lse_gpu;
-  std::tie(loss_cpu, lse_cpu) =
+  at::Tensor loss_cpu, lse_cpu, kept_cpu, loss_gpu, lse_gpu, kept_gpu;
+  std::tie(loss_cpu, lse_cpu, kept_cpu) =
       fusetrain::ops::softmax_cross_entropy_forward(cs.logits, cs.target, -100, ls, reduction);
-  std::tie(loss_gpu, lse_gpu) =
+  std::tie(loss_gpu, lse_gpu, kept_gpu) =
       fusetrain::ops::softmax_cross_entropy_forward(x, t, -100, ls, reduction);
+  // The GPU's backward divides by its forward's count ("mean"): no recount.
   const at::Tensor grad_cpu = fusetrain::ops::softmax_cross_entropy_backward(
       upstream, cs.logits, cs.target, lse_cpu, -100, ls, reduction);
   const at::Tensor grad_gpu = fusetrain::ops::softmax_cross_entropy_backward(
-      upstream.to(cuda), x, t, lse_gpu, -100, ls, reduction);
+      upstream.to(cuda), x, t, lse_gpu, -100, ls, reduction, kept_gpu);
+  REQUIRE(at::equal(kept_gpu.cpu(), kept_cpu));
   REQUIRE(loss_gpu.is_cuda());
   REQUIRE(loss_gpu.scalar_type() == at::kFloat);
   REQUIRE(loss_gpu.sizes() == loss_cpu.sizes());

@@ -131,7 +131,7 @@ TEST_CASE("cross-entropy kernels equal the CPU ops within their summation error"
   at::Tensor lse = at::empty({n});
   REQUIRE_LAUNCH(launch_cross_entropy_forward(rows, row_loss.data_ptr<float>(),
                                               lse.data_ptr<float>(), nullptr));
-  const auto [ref_loss, ref_lse] = fusetrain::ops::softmax_cross_entropy_forward(
+  const auto [ref_loss, ref_lse, ref_kept] = fusetrain::ops::softmax_cross_entropy_forward(
       logits.view, target, ignore_index, ls, "none");
   const double mean_abs = logits.view.to(at::kDouble).abs().nan_to_num(0, 0, 0).mean().item<double>();
   for (int64_t i = 0; i < n; ++i) {
@@ -150,11 +150,13 @@ TEST_CASE("cross-entropy kernels equal the CPU ops within their summation error"
   const at::Tensor kept = target != ignore_index;
   const double sum = row_loss.to(at::kDouble).sum().item<double>();
   const int64_t kept_rows = kept.sum().item<int64_t>();
+  float forward_count = -1.f;  // the forward's count, which the backward may reuse
   for (const bool mean : {false, true}) {
     float out = 0.f;
     REQUIRE_LAUNCH(launch_cross_entropy_reduce(row_loss.data_ptr<float>(),
                                                target.data_ptr<int64_t>(), n, ignore_index, mean,
-                                               &out, nullptr));
+                                               &out, &forward_count, nullptr));
+    CHECK(forward_count == static_cast<float>(kept_rows));
     const double want = mean ? sum / static_cast<double>(kept_rows) : sum;
     if (kept_rows == 0 && mean) {
       CHECK(std::isnan(out));
@@ -163,21 +165,26 @@ TEST_CASE("cross-entropy kernels equal the CPU ops within their summation error"
     }
   }
 
-  // Backward, for each reduction, with the kernel's lse on both sides.
-  for (const std::string reduction : {"none", "sum", "mean"}) {
+  // Backward, for each reduction, with the kernel's lse on both sides; "mean"
+  // with the forward's count (one launch) and counting again (two).
+  for (const std::string reduction : {"none", "sum", "mean", "mean, counted again"}) {
     CAPTURE(reduction);
     const bool per_row = reduction == "none";
-    const bool mean = reduction == "mean";
+    const bool mean = reduction.rfind("mean", 0) == 0;
+    const bool recount = reduction == "mean, counted again";
     const at::Tensor grad_loss = per_row ? at::randn({n}) : at::full({1}, 0.75f);
     at::Tensor grad_storage = at::full({layout.grad_offset + n * c}, 7.0, dtype);
     at::Tensor grad = grad_storage.narrow(0, layout.grad_offset, n * c).view({n, c});
     float count_scratch = -1.f;
-    REQUIRE_LAUNCH(launch_cross_entropy_backward(rows, grad_loss.data_ptr<float>(), per_row, mean,
-                                                 &count_scratch, lse.data_ptr<float>(),
-                                                 grad.data_ptr(), nullptr));
+    const int64_t launches = cuda_emu::counts().launches;
+    REQUIRE_LAUNCH(launch_cross_entropy_backward(
+        rows, grad_loss.data_ptr<float>(), per_row, mean, recount ? nullptr : &forward_count,
+        recount ? &count_scratch : nullptr, lse.data_ptr<float>(), grad.data_ptr(), nullptr));
+    CHECK(cuda_emu::counts().launches - launches == (recount ? 2 : 1));
+    if (recount) CHECK(count_scratch == static_cast<float>(kept_rows));
     const at::Tensor ref = fusetrain::ops::softmax_cross_entropy_backward(
         per_row ? grad_loss : grad_loss.reshape({}), logits.view, target, lse, ignore_index, ls,
-        reduction);
+        mean ? "mean" : reduction);
     // |difference| <= |scale| (2 ulp of p + an ulp of the fp32 result) + the
     // result's rounding to a 16-bit type, with p = exp(x - lse) in double.
     const at::Tensor x = logits.view.to(at::kDouble);
@@ -211,14 +218,16 @@ TEST_CASE("cross-entropy reduction of an all-ignored batch: sum 0, mean NaN",
   const at::Tensor row_loss = at::zeros({n});
   float sum = 1.f;
   float mean = 1.f;
+  float kept = 1.f;
   REQUIRE_LAUNCH(launch_cross_entropy_reduce(row_loss.data_ptr<float>(),
                                              target.data_ptr<int64_t>(), n, -1, false, &sum,
-                                             nullptr));
+                                             nullptr, nullptr));
   REQUIRE_LAUNCH(launch_cross_entropy_reduce(row_loss.data_ptr<float>(),
                                              target.data_ptr<int64_t>(), n, -1, true, &mean,
-                                             nullptr));
+                                             &kept, nullptr));
   CHECK(sum == 0.f);
   CHECK(std::isnan(mean));
+  CHECK(kept == 0.f);
 }
 
 TEST_CASE("cross-entropy reduction sums thousands of rows over every warp of the block",
@@ -228,10 +237,15 @@ TEST_CASE("cross-entropy reduction sums thousands of rows over every warp of the
   at::Tensor target = at::arange(n, at::kLong) % 7;  // ignore_index 3: every 7th row from 3
   const at::Tensor row_loss = at::rand({n}) * 10;
   float mean = 0.f;
+  float count = 0.f;
   REQUIRE_LAUNCH(launch_cross_entropy_reduce(row_loss.data_ptr<float>(),
                                              target.data_ptr<int64_t>(), n, 3, true, &mean,
-                                             nullptr));
+                                             nullptr, nullptr));
+  // The count alone (no row losses read).
+  REQUIRE_LAUNCH(launch_cross_entropy_reduce(nullptr, target.data_ptr<int64_t>(), n, 3, false,
+                                             nullptr, &count, nullptr));
   const at::Tensor kept = target != 3;
+  CHECK(count == static_cast<float>(kept.sum().item<int64_t>()));
   const double want = row_loss.to(at::kDouble).sum().item<double>() /
                       static_cast<double>(kept.sum().item<int64_t>());
   CHECK(std::abs(mean - want) <= ulp32(want));
@@ -243,7 +257,7 @@ TEST_CASE("cross-entropy kernels do nothing for an empty batch", "[kernels][cros
                               0.f};
   REQUIRE_LAUNCH(launch_cross_entropy_forward(rows, nullptr, nullptr, nullptr));
   REQUIRE_LAUNCH(launch_cross_entropy_backward(rows, nullptr, false, true, nullptr, nullptr,
-                                               nullptr, nullptr));
+                                               nullptr, nullptr, nullptr));
   CHECK(cuda_emu::counts().launches == launches);
 }
 

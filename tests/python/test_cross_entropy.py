@@ -172,8 +172,31 @@ def test_matches_torch(dtype, n, c, reduction, label_smoothing, ignore):
 
 def test_lse_is_the_row_logsumexp():
     x, t = make_case(17, 1000, torch.float32, "some_ignored")
-    loss, lse = torch.ops.fusetrain.softmax_cross_entropy_forward(x, t, IGNORE_INDEX, 0.0, "none")
+    loss, lse, _ = torch.ops.fusetrain.softmax_cross_entropy_forward(x, t, IGNORE_INDEX, 0.0, "none")
     torch.testing.assert_close(lse, torch.logsumexp(x.double(), 1).float(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["no_ignored", "some_ignored", "all_ignored"])
+def test_the_forwards_kept_row_count_is_what_mean_divides_by(case):
+    x, t = make_case(33, 40, torch.bfloat16, case)
+    fwd = torch.ops.fusetrain.softmax_cross_entropy_forward
+    bwd = torch.ops.fusetrain.softmax_cross_entropy_backward
+    kept = (t != IGNORE_INDEX).sum().item()
+    for reduction in ("mean", "sum"):
+        _, lse, kept_rows = fwd(x, t, IGNORE_INDEX, 0.1, reduction)
+        assert kept_rows.shape == () and kept_rows.dtype == torch.float32 and kept_rows.item() == kept
+    assert fwd(x, t, IGNORE_INDEX, 0.1, "none")[2].shape == (0,)
+    # Given the count, "mean" divides by it (bits equal to counting again);
+    # a different count shows it is the one used.
+    g = torch.tensor(0.75)
+    counted = bwd(g, x, t, lse, IGNORE_INDEX, 0.1, "mean")
+    given = bwd(g, x, t, lse, IGNORE_INDEX, 0.1, "mean", kept_rows)
+    assert torch.equal(counted.view(torch.int16), given.view(torch.int16))
+    if kept:
+        halved = bwd(g, x, t, lse, IGNORE_INDEX, 0.1, "mean", kept_rows * 2)
+        torch.testing.assert_close(halved.float(), given.float() / 2, rtol=2.0**-7, atol=0)
+    with pytest.raises(RuntimeError, match="kept_rows must be the forward's float32 count"):
+        bwd(g, x, t, lse, IGNORE_INDEX, 0.1, "mean", torch.ones(2))
 
 
 def test_expanded_gradient_of_none():
@@ -306,7 +329,7 @@ def test_op_argument_checks_name_the_argument():
         fwd(x, t.int(), IGNORE_INDEX, 0.0, "mean")
     with pytest.raises(RuntimeError, match="one class index per row"):
         fwd(x, t[:3], IGNORE_INDEX, 0.0, "mean")
-    loss, lse = fwd(x, t, IGNORE_INDEX, 0.0, "none")
+    loss, lse, _ = fwd(x, t, IGNORE_INDEX, 0.0, "none")
     with pytest.raises(RuntimeError, match="grad_loss must have shape"):
         torch.ops.fusetrain.softmax_cross_entropy_backward(torch.ones(3), x, t, lse, IGNORE_INDEX, 0.0, "none")
 
@@ -315,9 +338,10 @@ def test_meta_shapes():
     x = torch.empty(7, 11, device="meta", dtype=torch.bfloat16)
     t = torch.empty(7, device="meta", dtype=torch.long)
     for reduction, shape in (("mean", ()), ("sum", ()), ("none", (7,))):
-        loss, lse = torch.ops.fusetrain.softmax_cross_entropy_forward(x, t, IGNORE_INDEX, 0.1, reduction)
+        loss, lse, kept = torch.ops.fusetrain.softmax_cross_entropy_forward(x, t, IGNORE_INDEX, 0.1, reduction)
         assert loss.shape == shape and loss.dtype == torch.float32
         assert lse.shape == (7,) and lse.dtype == torch.float32
+        assert kept.shape == ((0,) if reduction == "none" else ()) and kept.dtype == torch.float32
         g = torch.ops.fusetrain.softmax_cross_entropy_backward(
             torch.empty(shape, device="meta"), x, t, lse, IGNORE_INDEX, 0.1, reduction
         )

@@ -381,8 +381,9 @@ def test_cross_entropy_matches_the_kernel(dtype, ls, reduction, ignore):
     g = torch.Generator().manual_seed(8)
     n, c = 37, 1000
     x, t = ce_inputs(n, c, dtype, ignore, g)
-    loss, lse = generic("softmax_cross_entropy_forward")(x, t, -100, ls, reduction)
-    want_loss, want_lse = kernel("softmax_cross_entropy_forward")(x, t, -100, ls, reduction)
+    loss, lse, kept_rows = generic("softmax_cross_entropy_forward")(x, t, -100, ls, reduction)
+    want_loss, want_lse, want_kept = kernel("softmax_cross_entropy_forward")(x, t, -100, ls, reduction)
+    assert torch.equal(kept_rows, want_kept)
     tol = lse_tol(c, x.float())
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=tol)
     # A row's loss is lse minus logits: lse's error; a reduction adds one
@@ -394,6 +395,9 @@ def test_cross_entropy_matches_the_kernel(dtype, ls, reduction, ignore):
     grad_loss = torch.rand(n, generator=g) if reduction == "none" else torch.tensor(0.7)
     grad = generic("softmax_cross_entropy_backward")(grad_loss, x, t, want_lse, -100, ls, reduction)
     want = kernel("softmax_cross_entropy_backward")(grad_loss, x, t, want_lse, -100, ls, reduction)
+    # The forward's count given, the bits of counting again.
+    with_count = generic("softmax_cross_entropy_backward")(grad_loss, x, t, want_lse, -100, ls, reduction, kept_rows)
+    assert torch.equal(with_count.float(), grad.float())
     assert grad.dtype == dtype and grad.shape == want.shape
     # p = exp(x - lse) in float32 both ways (the exp's rounding: a few ulps of
     # p <= 1), times a row scale <= 1; then one rounding to the output dtype.
@@ -406,14 +410,14 @@ def test_cross_entropy_matches_the_kernel(dtype, ls, reduction, ignore):
 def test_cross_entropy_every_row_ignored_and_bad_targets():
     x = torch.randn(4, 5)
     t = torch.full((4,), -100)
-    loss, _ = generic("softmax_cross_entropy_forward")(x, t, -100, 0.0, "mean")
+    loss, _, _ = generic("softmax_cross_entropy_forward")(x, t, -100, 0.0, "mean")
     assert loss.isnan()  # 0 / 0, as torch's mean gives
     g = generic("softmax_cross_entropy_backward")(torch.tensor(1.0), x, t, torch.zeros(4), -100, 0.0, "mean")
     assert torch.all(g == 0)
     # An out-of-range target cannot be checked without a host sync: its row
     # is NaN, the others exact.
     t = torch.tensor([0, 7, 2, -100])
-    loss, _ = generic("softmax_cross_entropy_forward")(x, t, -100, 0.0, "none")
+    loss, _, _ = generic("softmax_cross_entropy_forward")(x, t, -100, 0.0, "none")
     assert loss[1].isnan() and not loss[[0, 2, 3]].isnan().any()
     assert loss[3] == 0
     ref = torch.nn.functional.cross_entropy(x[[0, 2]], t[[0, 2]], reduction="none")

@@ -31,10 +31,11 @@ kernels::CrossEntropyRows rows_of(const at::Tensor& logits, const at::Tensor& ta
           static_cast<float>(label_smoothing)};
 }
 
-std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& logits_in,
-                                                const at::Tensor& target_in, int64_t ignore_index,
-                                                double label_smoothing,
-                                                c10::string_view reduction_view) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(const at::Tensor& logits_in,
+                                                            const at::Tensor& target_in,
+                                                            int64_t ignore_index,
+                                                            double label_smoothing,
+                                                            c10::string_view reduction_view) {
   const std::string reduction(reduction_view);
   check_cross_entropy_forward_args(logits_in, target_in, label_smoothing, reduction);
   const Reduction red = parse_reduction(reduction, kForwardOp);
@@ -50,21 +51,25 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& logits_in,
   C10_CUDA_CHECK(kernels::launch_cross_entropy_forward(
       rows_of(logits, target, ignore_index, label_smoothing, kForwardOp), rows.data_ptr<float>(),
       lse.data_ptr<float>(), stream));
-  if (red == Reduction::kNone) return {rows, lse};
+  if (red == Reduction::kNone) return {rows, lse, at::empty({0}, f32)};
+  // The loss and the kept-row count in one pass: the backward of "mean"
+  // divides by the count without counting again.
   at::Tensor loss = at::empty({}, f32);
+  at::Tensor kept_rows = at::empty({}, f32);
   C10_CUDA_CHECK(kernels::launch_cross_entropy_reduce(
       rows.const_data_ptr<float>(), target.const_data_ptr<int64_t>(), n, ignore_index,
-      red == Reduction::kMean, loss.data_ptr<float>(), stream));
-  return {loss, lse};
+      red == Reduction::kMean, loss.data_ptr<float>(), kept_rows.data_ptr<float>(), stream));
+  return {loss, lse, kept_rows};
 }
 
 at::Tensor backward_cuda(const at::Tensor& grad_loss_in, const at::Tensor& logits_in,
                          const at::Tensor& target_in, const at::Tensor& lse_in,
                          int64_t ignore_index, double label_smoothing,
-                         c10::string_view reduction_view) {
+                         c10::string_view reduction_view,
+                         const std::optional<at::Tensor>& kept_rows_in) {
   const std::string reduction(reduction_view);
   check_cross_entropy_backward_args(grad_loss_in, logits_in, target_in, lse_in, label_smoothing,
-                                    reduction);
+                                    reduction, kept_rows_in);
   const Reduction red = parse_reduction(reduction, kBackwardOp);
   const c10::cuda::CUDAGuard guard(logits_in.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -76,13 +81,18 @@ at::Tensor backward_cuda(const at::Tensor& grad_loss_in, const at::Tensor& logit
   const at::Tensor grad_loss = grad_loss_in.contiguous();
 
   at::Tensor grad = at::empty({logits.size(0), logits.size(1)}, logits.options());
-  // The kept-row count of "mean" stays on the device: one float of scratch.
-  at::Tensor count =
-      red == Reduction::kMean ? at::empty({1}, logits.options().dtype(at::kFloat)) : at::Tensor();
+  // "mean" divides by the forward's kept-row count when the caller passes
+  // it; else the rows are counted again, into one float of device scratch.
+  const bool mean = red == Reduction::kMean;
+  const bool have_count = mean && kept_rows_in.has_value() && kept_rows_in->defined();
+  const at::Tensor kept_rows = have_count ? kept_rows_in->contiguous() : at::Tensor();
+  const at::Tensor scratch =
+      mean && !have_count ? at::empty({1}, logits.options().dtype(at::kFloat)) : at::Tensor();
   C10_CUDA_CHECK(kernels::launch_cross_entropy_backward(
       rows_of(logits, target, ignore_index, label_smoothing, kBackwardOp),
-      grad_loss.const_data_ptr<float>(), red == Reduction::kNone, red == Reduction::kMean,
-      count.defined() ? count.data_ptr<float>() : nullptr, lse.const_data_ptr<float>(),
+      grad_loss.const_data_ptr<float>(), red == Reduction::kNone, mean,
+      have_count ? kept_rows.const_data_ptr<float>() : nullptr,
+      scratch.defined() ? scratch.data_ptr<float>() : nullptr, lse.const_data_ptr<float>(),
       grad.data_ptr(), stream));
   return grad;
 }

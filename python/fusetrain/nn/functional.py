@@ -43,9 +43,10 @@ class _SoftmaxCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, ignore_index, label_smoothing, reduction):
-        loss, lse = _FORWARD(logits, target, ignore_index, label_smoothing, reduction)
+        loss, lse, kept_rows = _FORWARD(logits, target, ignore_index, label_smoothing, reduction)
         ctx.mark_non_differentiable(lse)
-        ctx.save_for_backward(logits, target, lse)
+        # kept_rows: the count "mean" divides by, so the backward does not count again.
+        ctx.save_for_backward(logits, target, lse, kept_rows)
         ctx.ignore_index = ignore_index
         ctx.label_smoothing = label_smoothing
         ctx.reduction = reduction
@@ -56,9 +57,9 @@ class _SoftmaxCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_lse):
         if not ctx.needs_input_grad[0]:
             return None, None, None, None, None
-        logits, target, lse = ctx.saved_tensors
+        logits, target, lse, kept_rows = ctx.saved_tensors
         grad = _BACKWARD(grad_loss.float(), logits, target, lse, ctx.ignore_index, ctx.label_smoothing,
-                         ctx.reduction)
+                         ctx.reduction, kept_rows)
         return grad, None, None, None, None
 
 
