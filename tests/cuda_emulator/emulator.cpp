@@ -108,21 +108,28 @@ struct Thread {
   State state = State::kExited;
   const char* file = nullptr;  // where it waits
   int line = 0;
-  uint64_t value = 0;  // a shuffle's published bits, and what it reads
+  // The shuffle it waits in (Note [Shuffle rendezvous]): which, its mask,
+  // the bits it publishes, the lane it reads and what it got.
+  const char* what = nullptr;
+  unsigned mask = 0;
+  uint64_t value = 0;
   uint64_t result = 0;
   int source = 0;
   void* fake_stack = nullptr;  // AddressSanitizer's, while switched out
 };
 
-// The shuffle a warp's lanes are gathering at: the first lane to arrive sets
-// it, the last one named by the mask completes it.
-struct WarpShuffle {
-  unsigned arrived = 0;
-  unsigned mask = 0;
-  const char* what = nullptr;
-  const char* file = nullptr;
-  int line = 0;
-};
+// Note [Shuffle rendezvous]
+// A shuffle completes when every lane of its mask waits in it: the same
+// intrinsic at the same line with the same mask. Each lane records the
+// shuffle it waits in, so a warp may have several pending at once, as on
+// Volta and later: the two halves of a warp reducing with masks 0x0000ffff
+// and 0xffff0000, or lanes 0-15 in a shuffle of their own while lanes 16-31
+// already wait in a full-warp one that lanes 0-15 reach next. (A single
+// pending shuffle per warp would report both as mismatches.) A lane of the
+// mask waiting in another shuffle is an error at once only when that
+// shuffle's mask names the caller too: each then waits for the other for
+// ever. Any other wait that never ends is a deadlock, which the scheduler
+// reports.
 
 struct Emulator {
   bool order_read = false;
@@ -145,7 +152,6 @@ struct Emulator {
   bool aborted = false;
   int barrier_arrived = 0;
   const Thread* barrier_first = nullptr;
-  WarpShuffle warps[kMaxBlockThreads / kWarpSize];
 
   Context scheduler;
   Context discarded;  // where a thread that never resumes saves itself
@@ -281,16 +287,50 @@ std::string lanes_text(unsigned lanes) {
   return s.empty() ? "none" : s;
 }
 
+// Whether t waits in this shuffle. The names are literals, the same pointer
+// almost always: compared first, as this runs for every lane of every shuffle.
+bool same_shuffle(const Thread& t, const char* what, const char* file, int line, unsigned mask) {
+  return t.state == State::kAtShuffle && t.mask == mask && t.line == line &&
+         (t.file == file || std::strcmp(t.file, file) == 0) &&
+         (t.what == what || std::strcmp(t.what, what) == 0);
+}
+
+// The lanes of t's warp waiting in the shuffle t waits in.
+unsigned lanes_waiting_with(const Thread& t) {
+  const Emulator& e = emu();
+  const int warp = t.linear / kWarpSize;
+  unsigned lanes = 0;
+  for (int l = 0; l < kWarpSize; ++l) {
+    const int i = warp * kWarpSize + l;
+    if (i < static_cast<int>(e.threads.size()) &&
+        same_shuffle(e.threads[i], t.what, t.file, t.line, t.mask)) {
+      lanes |= 1u << l;
+    }
+  }
+  return lanes;
+}
+
+// A lane of me's warp that waits in a shuffle whose mask names me, or null.
+const Thread* shuffle_waiting_for(const Thread& me) {
+  const Emulator& e = emu();
+  const int warp = me.linear / kWarpSize;
+  const int lane = me.linear % kWarpSize;
+  for (int l = 0; l < kWarpSize; ++l) {
+    const int i = warp * kWarpSize + l;
+    if (i >= static_cast<int>(e.threads.size()) || l == lane) continue;
+    const Thread& t = e.threads[i];
+    if (t.state == State::kAtShuffle && ((t.mask >> lane) & 1u)) return &t;
+  }
+  return nullptr;
+}
+
 // A returning thread must not leave a shuffle of its warp waiting for it.
 void check_no_shuffle_waits_for(const Thread& me) {
-  Emulator& e = emu();
-  const WarpShuffle& w = e.warps[me.linear / kWarpSize];
-  const int lane = me.linear % kWarpSize;
-  if (w.arrived != 0 && ((w.mask >> lane) & 1u) && !((w.arrived >> lane) & 1u)) {
-    fail_on_thread(cudaErrorLaunchFailure,
-                   format("returned while lanes %s of its warp wait for it in %s at %s:%d "
-                          "(mask 0x%08x)",
-                          lanes_text(w.arrived).c_str(), w.what, w.file, w.line, w.mask));
+  if (const Thread* t = shuffle_waiting_for(me)) {
+    fail_on_thread(
+        cudaErrorLaunchFailure,
+        format("returned while lanes %s of its warp wait for it in %s at %s:%d (mask 0x%08x)",
+               lanes_text(lanes_waiting_with(*t)).c_str(), t->what, t->file, t->line, t->mask));
   }
 }
 
@@ -328,8 +368,7 @@ std::string describe_waiting_threads() {
     ++waiting;
     if (listed++ < 6) {
       s += format("; thread (%u,%u,%u) waits in %s at %s:%d", t.idx.x, t.idx.y, t.idx.z,
-                  t.state == State::kAtBarrier ? "__syncthreads" : e.warps[t.linear / 32].what,
-                  t.file, t.line);
+                  t.state == State::kAtBarrier ? "__syncthreads" : t.what, t.file, t.line);
     }
   }
   if (waiting > listed) s += format("; and %d more", waiting - listed);
@@ -359,7 +398,6 @@ void run_block(const dim3& block_idx) {
   e.live = n;
   e.barrier_arrived = 0;
   e.barrier_first = nullptr;
-  for (WarpShuffle& w : e.warps) w = WarpShuffle{};
   ++e.counts.blocks;
   e.counts.threads += n;
 
@@ -549,37 +587,40 @@ uint64_t shuffle(const char* what, const char* file, int line, unsigned mask, ui
                             mask, l, t >= block_threads ? "the block does not have" : "has returned"));
     }
   }
-  WarpShuffle& w = e.warps[warp];
-  if (w.arrived == 0) {
-    w.mask = mask;
-    w.what = what;
-    w.file = file;
-    w.line = line;
-  } else if (w.mask != mask || w.line != line || std::strcmp(w.file, file) != 0 ||
-             std::strcmp(w.what, what) != 0) {
-    fail_on_thread(cudaErrorLaunchFailure,
-                   format("%s at %s:%d with mask 0x%08x while lanes %s of its warp wait in %s at "
-                          "%s:%d with mask 0x%08x",
-                          what, file, line, mask, lanes_text(w.arrived).c_str(), w.what, w.file,
-                          w.line, w.mask));
-  }
-  me.value = value;
-  me.source = source;
-  me.file = file;
-  me.line = line;
-  w.arrived |= 1u << lane;
-  if (w.arrived == mask) {
-    for (int l = 0; l < kWarpSize; ++l) {
-      if (!((mask >> l) & 1u)) continue;
-      Thread& t = e.threads[warp * kWarpSize + l];
-      t.result = e.threads[warp * kWarpSize + t.source].value;
-      t.state = State::kReady;
+  // Note [Shuffle rendezvous]: a lane of the mask waiting in another shuffle
+  // that needs this lane can never meet it.
+  for (int l = 0; l < kWarpSize; ++l) {
+    if (!((mask >> l) & 1u)) continue;
+    const Thread& t = e.threads[warp * kWarpSize + l];
+    if (t.state == State::kAtShuffle && ((t.mask >> lane) & 1u) &&
+        !same_shuffle(t, what, file, line, mask)) {
+      fail_on_thread(cudaErrorLaunchFailure,
+                     format("%s at %s:%d with mask 0x%08x while lanes %s of its warp wait in %s "
+                            "at %s:%d with mask 0x%08x",
+                            what, file, line, mask, lanes_text(lanes_waiting_with(t)).c_str(),
+                            t.what, t.file, t.line, t.mask));
     }
-    w = WarpShuffle{};
-    return me.result;
   }
   me.state = State::kAtShuffle;
-  yield();
+  me.what = what;
+  me.file = file;
+  me.line = line;
+  me.mask = mask;
+  me.value = value;
+  me.source = source;
+  for (int l = 0; l < kWarpSize; ++l) {
+    if (!((mask >> l) & 1u)) continue;
+    if (!same_shuffle(e.threads[warp * kWarpSize + l], what, file, line, mask)) {
+      yield();  // a lane of the mask is still to come: the last to arrive completes it
+      return me.result;
+    }
+  }
+  for (int l = 0; l < kWarpSize; ++l) {
+    if (!((mask >> l) & 1u)) continue;
+    Thread& t = e.threads[warp * kWarpSize + l];
+    t.result = e.threads[warp * kWarpSize + t.source].value;
+    t.state = State::kReady;
+  }
   return me.result;
 }
 

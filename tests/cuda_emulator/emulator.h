@@ -14,9 +14,11 @@
 // execution model stops the launch with a sticky error naming the kernel, the
 // block, the thread and the source line: a barrier reached at different lines,
 // a shuffle whose mask leaves out the caller or the lane it reads, a lane of
-// the mask that has returned, a deadlock (every live thread waits), a device
-// assert. Launches run synchronously on the calling thread; streams are
-// accepted and ignored, so stream order is always kept.
+// the mask that has returned, two lanes each waiting for the other in
+// different shuffles, a deadlock (every live thread waits), a device assert.
+// A warp may have several shuffles pending at once (Note [Shuffle rendezvous]
+// in emulator.cpp). Launches run synchronously on the calling thread; streams
+// are accepted and ignored, so stream order is always kept.
 //
 // What this verifies: the kernels' logic and indexing, tails and alignment
 // branches, block and warp reductions, barrier and shuffle discipline, and
