@@ -185,6 +185,11 @@ const std::vector<KeySpec>& config_schema() {
           "cnn, resnet: batch norm + ReLU as one fused op forward and backward on the CPU "
           "(fusetrain::nn::batch_norm_relu; same parameters and checkpoints); torch's ops when "
           "false"),
+      key("model.fused_head_loss", K::kBool, "true",
+          "gpt: the head and the training loss as one chunked op "
+          "(fusetrain::nn::linear_cross_entropy: the [tokens, vocabulary] logits are never held; "
+          "the same loss up to fp32 rounding); the head's logits, then the cross-entropy, when "
+          "false"),
       key("model.fused_max_pool", K::kBool, "true",
           "cnn: each 2x2 max pooling through fusetrain's window op on the CPU (a byte per "
           "window instead of int64 indices, no zero-fill or layout copies backward; the same "

@@ -348,6 +348,12 @@ at::Tensor ParallelModel::forward(const at::Tensor& x) {
   return ddp_ ? ddp_->forward(x) : model_->forward(x);
 }
 
+at::Tensor ParallelModel::forward(const at::Tensor& x, const at::Tensor& targets,
+                                  double label_smoothing) {
+  return ddp_ ? ddp_->forward(x, targets, label_smoothing)
+              : model_->forward(x, targets, label_smoothing);
+}
+
 std::shared_ptr<void> ParallelModel::no_sync() {
   if (!ddp_) return nullptr;
   return std::shared_ptr<void>(ddp_->no_sync());

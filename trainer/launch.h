@@ -113,6 +113,9 @@ class ParallelModel {
                 int64_t powersgd_start_iter = 1000);
   ~ParallelModel();
   at::Tensor forward(const at::Tensor& x);
+  /// The training loss (ModelImpl::forward(x, targets, label_smoothing)),
+  /// through DDP's forward when there is one.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& targets, double label_smoothing);
   /// While the returned guard lives, backward only accumulates local
   /// gradients (gradient accumulation); null for a world of one.
   std::shared_ptr<void> no_sync();

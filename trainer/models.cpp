@@ -1,10 +1,13 @@
 // Model definitions: mlp, cnn, CIFAR-style ResNet-18/50 and a byte-level GPT.
 #include "models.h"
 
+#include "evaluate.h"
+
 #include "torchscript_model.h"
 
 #include <fusetrain/amp/float8_linear.h>
 #include <fusetrain/nn/batch_norm.h>
+#include <fusetrain/nn/linear_cross_entropy.h>
 #include <fusetrain/nn/max_pool.h>
 
 #include <torch/nn.h>
@@ -26,6 +29,27 @@ void ModelImpl::make_head(int64_t in, int64_t out, bool float32) {
 
 at::Tensor ModelImpl::apply_head(const at::Tensor& x) {
   return head32_ ? head32_->forward(x) : head_->forward(x);
+}
+
+at::Tensor ModelImpl::forward(const at::Tensor& x, const at::Tensor& targets,
+                              double label_smoothing) {
+  return float32_cross_entropy(forward(x), targets, at::Reduction::Mean, label_smoothing);
+}
+
+at::Tensor ModelImpl::head_loss(const at::Tensor& features, const at::Tensor& targets,
+                                double label_smoothing) {
+  fusetrain::nn::LinearCrossEntropyFuncOptions options;
+  options.label_smoothing = label_smoothing;
+  if (head32_) {
+    const nn::Linear& linear = head32_->inner();
+    options.linear_bias = linear->bias;
+    const amp::Float32Guard float32;
+    return fusetrain::nn::linear_cross_entropy(features.to(at::kFloat), linear->weight, targets,
+                                               options);
+  }
+  options.linear_bias = head_->bias;
+  return fusetrain::nn::linear_cross_entropy(features, head_->weight, targets, options)
+      .to(at::kFloat);
 }
 
 void ModelImpl::use_channels_last() {
@@ -377,6 +401,7 @@ class GptImpl : public ModelImpl {
     register_module("blocks", blocks_);
     ln_f_ = register_module("ln_f", nn::LayerNorm(nn::LayerNormOptions({dm})));
     make_head(dm, d.num_classes, c.get_bool("precision.float32_head"));
+    fused_head_loss_ = c.get_bool("model.fused_head_loss");
     // GPT-2's initialisation: N(0, 0.02) weights, zero biases, and residual
     // projections scaled down by the depth so the residual stream's variance
     // does not grow with it.
@@ -399,7 +424,19 @@ class GptImpl : public ModelImpl {
     const int64_t t = idx.size(1);
     TORCH_CHECK(t <= seq_len_, "gpt: sequence of ", t, " tokens is longer than model.seq_len=",
                 seq_len_);
-    return body(tok_emb_(idx) + pos_emb_.narrow(0, 0, t));
+    return apply_head(features(tok_emb_(idx) + pos_emb_.narrow(0, 0, t)));
+  }
+
+  using ModelImpl::forward;
+  // model.fused_head_loss: the head and the loss as one chunked op.
+  at::Tensor forward(const at::Tensor& idx, const at::Tensor& targets,
+                     double label_smoothing) override {
+    if (!fused_head_loss_) return ModelImpl::forward(idx, targets, label_smoothing);
+    const int64_t t = idx.size(1);
+    TORCH_CHECK(t <= seq_len_, "gpt: sequence of ", t, " tokens is longer than model.seq_len=",
+                seq_len_);
+    return head_loss(features(tok_emb_(idx) + pos_emb_.narrow(0, 0, t)), targets,
+                     label_smoothing);
   }
 
   // The positions' rows gathered by index rather than narrowed to the
@@ -407,15 +444,17 @@ class GptImpl : public ModelImpl {
   // for training, whose gradient would sum over the batch in another order.
   at::Tensor forward_for_trace(const at::Tensor& idx) override {
     const at::Tensor positions = at::ones_like(idx).cumsum(1) - 1;
-    return body(tok_emb_(idx) + at::embedding(pos_emb_, positions));
+    return apply_head(features(tok_emb_(idx) + at::embedding(pos_emb_, positions)));
   }
 
  private:
-  at::Tensor body(at::Tensor x) {
+  // The head's input: the blocks and the final layer norm.
+  at::Tensor features(at::Tensor x) {
     for (const auto& block : *blocks_) x = block->as<GptBlockImpl>()->forward(x);
-    return apply_head(ln_f_(x));
+    return ln_f_(x);
   }
 
+  bool fused_head_loss_ = true;
   int64_t seq_len_ = 0;
   nn::Embedding tok_emb_{nullptr};
   at::Tensor pos_emb_;

@@ -29,6 +29,12 @@ class ModelImpl : public torch::nn::Module {
   /// would freeze): what `fusetrain export --torchscript` traces. Models
   /// whose forward already takes none keep forward().
   virtual at::Tensor forward_for_trace(const at::Tensor& x) { return forward(x); }
+  /// The training loss of `x` against `targets`: the mean cross-entropy in
+  /// float32 with torch's label smoothing. By default forward(x), then
+  /// float32_cross_entropy of the logits; gpt with model.fused_head_loss
+  /// computes it from the head's input without the logits (head_loss).
+  virtual at::Tensor forward(const at::Tensor& x, const at::Tensor& targets,
+                             double label_smoothing);
 
   /// model.channels_last: the 4-D parameters and buffers (convolution
   /// kernels) in channels_last layout, and forward() takes its images in it
@@ -55,6 +61,13 @@ class ModelImpl : public torch::nn::Module {
   /// Registers the final layer as "head", in float32 when `float32`.
   void make_head(int64_t in, int64_t out, bool float32);
   at::Tensor apply_head(const at::Tensor& x);
+  /// The mean cross-entropy of the head applied to `features` [..., in]
+  /// against `targets` [...] by fusetrain::nn::linear_cross_entropy, over
+  /// chunks of rows without the [rows, classes] logits (Note [Chunked linear
+  /// cross-entropy]); in float32 when the head is a float32 island, else in
+  /// the autocast dtype. float32, like float32_cross_entropy.
+  at::Tensor head_loss(const at::Tensor& features, const at::Tensor& targets,
+                       double label_smoothing);
   /// bn(x), then a ReLU when `relu`: fused or torch's (set_fused_batch_norm).
   at::Tensor batch_norm(torch::nn::BatchNorm2dImpl& bn, const at::Tensor& x, bool relu) const;
   bool fused_batch_norm() const { return fused_batch_norm_; }

@@ -569,13 +569,13 @@ at::Tensor Trainer::step_body(const std::vector<at::Tensor>& batch) {
     }
     // Gradients are averaged across ranks on the last micro-batch only.
     const std::shared_ptr<void> local_only = m + 1 < accum ? parallel_->no_sync() : nullptr;
-    at::Tensor logits;
+    at::Tensor loss;
     {
+      // The loss in float32 (a float32 island, or the fused head's fp32
+      // cross-entropy) whatever the autocast dtype.
       const amp::AutocastGuard autocast(device_.type(), policy_);
-      logits = parallel_->forward(x);
+      loss = parallel_->forward(x, y, config_.get_float("train.label_smoothing"));
     }
-    const at::Tensor loss = float32_cross_entropy(logits, y, at::Reduction::Mean,
-                                                  config_.get_float("train.label_smoothing"));
     const at::Tensor scaled = scaler_->scale(accum > 1 ? loss / static_cast<double>(accum) : loss);
     scaled.backward();
     step_loss.add_(loss.detach().reshape({1}), 1.0 / static_cast<double>(accum));

@@ -57,6 +57,24 @@ TORCH_LIBRARY(fusetrain, m) {
       "Tensor lse, int ignore_index, float label_smoothing, str reduction, "
       "Tensor? kept_rows=None) -> Tensor");
 
+  // Chunked linear + cross-entropy (Note [Chunked linear cross-entropy] in
+  // csrc/ops/linear_cross_entropy.cpp): the loss of cross_entropy(input @
+  // linear_weight^T + linear_bias, target) over chunks of chunk_rows rows,
+  // never holding more than one chunk's logits. The forward returns the loss
+  // (float32), each row's log-sum-exp, what "mean" divides by and, when
+  // with_grad, the gradients for a loss gradient of 1 (else empty tensors);
+  // the backward recomputes each chunk's logits.
+  m.def(
+      "linear_cross_entropy_forward(Tensor input, Tensor linear_weight, Tensor? linear_bias, "
+      "Tensor target, Tensor? weight, int ignore_index, float label_smoothing, str reduction, "
+      "int chunk_rows, bool with_grad) -> (Tensor loss, Tensor lse, Tensor denominator, "
+      "Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+  m.def(
+      "linear_cross_entropy_backward(Tensor grad_loss, Tensor input, Tensor linear_weight, "
+      "Tensor? linear_bias, Tensor target, Tensor? weight, Tensor lse, Tensor denominator, "
+      "int ignore_index, float label_smoothing, str reduction, int chunk_rows, "
+      "bool[3] output_mask) -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+
   // Max pooling over non-overlapping windows (stride = kernel_size, no
   // padding, floor mode) of [N, C, H, W]: out (the input's dtype and memory
   // format) and each maximum's position in its window, row-major, as uint8

@@ -103,6 +103,34 @@ PYBIND11_MODULE(_C, m) {
         },
         py::arg("logits"), py::arg("target"), py::arg("ignore_index"), py::arg("label_smoothing"),
         py::arg("reduction"));
+  // fusetrain.nn.functional.linear_cross_entropy's eager chunked path: the
+  // C++ autograd Function (no Python in the backward), as above.
+  m.def("linear_cross_entropy",
+        [](const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
+           const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
+           const std::string& reduction, int64_t ignore_index, double label_smoothing,
+           int64_t batch_chunk_size, bool gradients_in_forward) {
+          fusetrain::nn::LinearCrossEntropyFuncOptions o;
+          o.linear_bias = linear_bias.value_or(at::Tensor());
+          o.weight = weight.value_or(at::Tensor());
+          o.reduction = reduction;
+          o.ignore_index = ignore_index;
+          o.label_smoothing = label_smoothing;
+          // -1: unset (the default rule, fusetrain::ops::linear_cross_entropy_chunk_rows).
+          if (batch_chunk_size > 0) o.options.batch_chunk_size = batch_chunk_size;
+          o.options.gradients_in_forward = gradients_in_forward;
+          return fusetrain::nn::linear_cross_entropy(input, linear_weight, target, o);
+        },
+        py::arg("input"), py::arg("linear_weight"), py::arg("target"), py::arg("linear_bias"),
+        py::arg("weight"), py::arg("reduction"), py::arg("ignore_index"),
+        py::arg("label_smoothing"), py::arg("batch_chunk_size"),
+        py::arg("gradients_in_forward"));
+  m.def("linear_cross_entropy_chunk_rows",
+        [](int64_t rows, int64_t in_features, int64_t classes, py::object dtype) {
+          return fusetrain::ops::linear_cross_entropy_chunk_rows(
+              rows, in_features, classes, torch::python::detail::py_object_to_dtype(dtype));
+        },
+        py::arg("rows"), py::arg("in_features"), py::arg("classes"), py::arg("dtype"));
   m.def("cpu_bf16_speed", &fusetrain::amp::measure_cpu_bf16_speed,
         py::call_guard<py::gil_scoped_release>());
   m.def("cpu_features", [] {

@@ -392,6 +392,31 @@ def test_other_models_train_and_load_in_python(tmp_path, args):
     torch.testing.assert_close(logits, saved["logits"], rtol=1e-4, atol=1e-4)
 
 
+def test_gpt_fused_head_loss_follows_the_unfused_loss_curve(tmp_path):
+    """model.fused_head_loss (the head and the loss as one chunked op) takes
+    the steps the logits-then-cross-entropy path takes, up to fp32 rounding:
+    float32 throughout, so the losses agree to a few ulps a step, and the
+    parameters after 8 AdamW steps to ~1e-5 (AdamW's update divides by
+    sqrt(v), which amplifies a gradient's last-bit difference at most by
+    the learning rate's order)."""
+    args = ("--config", ROOT / "configs" / "gpt_tiny.yaml", "--set", "model.d_model=32", "--set",
+            "model.n_layer=1", "--set", "model.seq_len=32", "--set", "train.max_steps=8", "--set",
+            "train.log_every=1", "--set", "train.label_smoothing=0.1", "--precision", "float32")
+    runs = {}
+    for fused in ("true", "false"):
+        ok(run("train", "--config", TINY, *args, "--set", f"model.fused_head_loss={fused}",
+               "--run-dir", tmp_path / fused))
+        runs[fused] = ([r["loss"] for r in records(tmp_path / fused, "train")],
+                       load(checkpoints(tmp_path / fused)[-1]))
+    losses, state = runs["true"]
+    ref_losses, ref_state = runs["false"]
+    assert len(losses) == len(ref_losses) == 8
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for k, v in ref_state.items():
+        if k.startswith("model.") and torch.is_tensor(v) and v.is_floating_point():
+            torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
 # ------------------------------------------------------------------ signals and failures
 
 

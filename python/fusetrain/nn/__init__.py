@@ -1,6 +1,7 @@
-"""Fused neural-network pieces: ``CrossEntropyLoss``, ``BatchNormReLU2d``,
-``MaxPool2d`` and, in ``fusetrain.nn.functional``, ``softmax_cross_entropy``,
-``batch_norm_relu`` and ``max_pool2d``."""
+"""Fused neural-network pieces: ``CrossEntropyLoss``,
+``LinearCrossEntropyLoss``, ``BatchNormReLU2d``, ``MaxPool2d`` and, in
+``fusetrain.nn.functional``, ``softmax_cross_entropy``,
+``linear_cross_entropy``, ``batch_norm_relu`` and ``max_pool2d``."""
 
 from __future__ import annotations
 
@@ -9,14 +10,23 @@ from typing import Optional
 import torch
 
 from . import functional
-from .functional import batch_norm_relu, max_pool2d, softmax_cross_entropy
+from .functional import (
+    LinearCrossEntropyOptions,
+    batch_norm_relu,
+    linear_cross_entropy,
+    max_pool2d,
+    softmax_cross_entropy,
+)
 
 __all__ = [
     "BatchNormReLU2d",
     "CrossEntropyLoss",
+    "LinearCrossEntropyLoss",
+    "LinearCrossEntropyOptions",
     "MaxPool2d",
     "batch_norm_relu",
     "functional",
+    "linear_cross_entropy",
     "max_pool2d",
     "softmax_cross_entropy",
 ]
@@ -54,6 +64,54 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
             reduction=self.reduction,
             label_smoothing=self.label_smoothing,
         )
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """torch 2.13's ``torch.nn.LinearCrossEntropyLoss``: a ``Linear(in_features,
+    num_classes, bias)`` (``self.linear``) and the cross-entropy of its output,
+    computed by :func:`fusetrain.nn.functional.linear_cross_entropy` without
+    holding the logits. The class ``weight`` is a buffer (``self.weight``,
+    None when not given), as in ``CrossEntropyLoss``; the state-dict keys are
+    ``linear.weight``, ``linear.bias`` and ``weight``."""
+
+    def __init__(
+        self,
+        in_features: int,
+        num_classes: int,
+        *,
+        bias: bool = False,
+        device=None,
+        dtype=None,
+        reduction: str = "mean",
+        weight: Optional[torch.Tensor] = None,
+        ignore_index: Optional[int] = None,
+        label_smoothing: float = 0.0,
+        options: Optional[LinearCrossEntropyOptions] = None,
+    ) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(in_features, num_classes, bias=bias, device=device, dtype=dtype)
+        self.register_buffer("weight", weight)
+        self.reduction = reduction
+        self.ignore_index = ignore_index
+        self.label_smoothing = label_smoothing
+        self.options = options
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return linear_cross_entropy(
+            input,
+            self.linear.weight,
+            target,
+            linear_bias=self.linear.bias,
+            weight=self.weight,
+            reduction=self.reduction,
+            ignore_index=self.ignore_index,
+            label_smoothing=self.label_smoothing,
+            options=self.options,
+        )
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.linear.in_features}, num_classes={self.linear.out_features}, "
+                f"bias={self.linear.bias is not None}, reduction={self.reduction!r}")
 
 
 class BatchNormReLU2d(torch.nn.BatchNorm2d):

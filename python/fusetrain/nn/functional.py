@@ -15,6 +15,8 @@ rather than computing something else.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from typing import Optional
 
 import torch
@@ -23,7 +25,14 @@ from torch.nn import _reduction
 
 from .. import _C  # noqa: F401  (registers the fusetrain ops)
 
-__all__ = ["softmax_cross_entropy", "cross_entropy", "batch_norm_relu", "max_pool2d"]
+__all__ = [
+    "softmax_cross_entropy",
+    "cross_entropy",
+    "linear_cross_entropy",
+    "LinearCrossEntropyOptions",
+    "batch_norm_relu",
+    "max_pool2d",
+]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -152,6 +161,194 @@ def _apply(logits, target, ignore_index, label_smoothing, reduction):
 
 # F.cross_entropy's name, for ``import fusetrain.nn.functional as F``.
 cross_entropy = softmax_cross_entropy
+
+
+# ------------------------------------------------- linear + cross-entropy
+
+
+@dataclasses.dataclass
+class LinearCrossEntropyOptions:
+    """How :func:`linear_cross_entropy` computes (torch 2.13's
+    ``torch.nn.LinearCrossEntropyOptions`` fields, and one of ours).
+
+    ``batch_chunk_size``: rows per chunk; None chooses it so that a chunk's
+    logits and their gradient take about the memory of the input itself, and
+    at least 64 MiB (larger GEMMs; the fp32 accumulation of the weight
+    gradient, read and written once a chunk, stays a few percent of the
+    chunk's GEMM work), in multiples of 64 rows.
+    ``chunking_method``: ``"auto"`` takes the chunked path wherever it
+    applies (class-index targets, a [classes] bias); ``"none"`` is the
+    reference, ``F.cross_entropy(F.linear(...))``, holding every logit.
+    ``gradients_in_forward`` (ours): for "mean" and "sum" losses that need
+    gradients, compute them in the forward pass (three GEMMs a chunk, the
+    input and weight gradients held until the backward) rather than
+    recomputing each chunk's logits in the backward (four GEMMs)."""
+
+    batch_chunk_size: Optional[int] = None
+    chunking_method: str = "auto"
+    gradients_in_forward: bool = True
+
+    def __post_init__(self) -> None:
+        if self.chunking_method not in ("auto", "none"):
+            raise ValueError(
+                f'LinearCrossEntropyOptions: chunking_method must be "auto" or "none", got {self.chunking_method!r}'
+            )
+        if self.batch_chunk_size is not None and int(self.batch_chunk_size) < 1:
+            raise ValueError(
+                f"LinearCrossEntropyOptions: batch_chunk_size must be at least 1, got {self.batch_chunk_size}"
+            )
+
+
+_LCE_FORWARD = torch.ops.fusetrain.linear_cross_entropy_forward.default
+_LCE_BACKWARD = torch.ops.fusetrain.linear_cross_entropy_backward.default
+
+
+def _lce_chunk_rows(rows: int, in_features: int, classes: int, dtype: torch.dtype) -> int:
+    """fusetrain::ops::linear_cross_entropy_chunk_rows in Python (dynamo
+    traces it; a test checks that both agree)."""
+    element = torch.empty((), dtype=dtype).element_size()
+    budget = max(rows * in_features * element, 64 << 20)
+    chunk = budget // max(2 * classes * element, 1)
+    chunk = max(64, chunk // 64 * 64)
+    return max(1, min(chunk, rows))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The two chunked ops as one autograd node (what dynamo traces; eager
+    calls take the C++ twin, fusetrain::nn::linear_cross_entropy)."""
+
+    @staticmethod
+    def forward(ctx, input, linear_weight, linear_bias, target, weight, ignore_index, label_smoothing,
+                reduction, chunk_rows, with_grad):
+        loss, lse, denominator, gi, gw, gb = _LCE_FORWARD(
+            input, linear_weight, linear_bias, target, weight, ignore_index, label_smoothing, reduction,
+            chunk_rows, with_grad,
+        )
+        ctx.with_grad = with_grad
+        ctx.has_bias = linear_bias is not None
+        if with_grad:
+            # The gradients for a loss gradient of 1: the backward rescales them.
+            ctx.save_for_backward(gi, gw, gb)
+        else:
+            ctx.save_for_backward(input, linear_weight, linear_bias, target, weight, lse, denominator)
+            ctx.args = (ignore_index, label_smoothing, reduction, chunk_rows)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        need = ctx.needs_input_grad
+        if ctx.with_grad:
+            gi, gw, gb = ctx.saved_tensors
+            g = grad_loss.reshape(())
+            return (gi * g if need[0] else None, gw * g if need[1] else None,
+                    gb * g if need[2] and ctx.has_bias else None) + (None,) * 7
+        input, linear_weight, linear_bias, target, weight, lse, denominator = ctx.saved_tensors
+        ignore_index, label_smoothing, reduction, chunk_rows = ctx.args
+        mask = [need[0], need[1], need[2] and ctx.has_bias]
+        gi, gw, gb = _LCE_BACKWARD(grad_loss, input, linear_weight, linear_bias, target, weight, lse,
+                                   denominator, ignore_index, label_smoothing, reduction, chunk_rows, mask)
+        return (gi if mask[0] else None, gw if mask[1] else None, gb if mask[2] else None) + (None,) * 7
+
+
+def _reference_linear_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction,
+                                    ignore_index, label_smoothing):
+    """F.cross_entropy(F.linear(...)) with the leading dimensions of input as rows."""
+    logits = torch.nn.functional.linear(input, linear_weight, linear_bias)
+    if input.dim() == 1:
+        return torch.nn.functional.cross_entropy(logits, target, weight=weight, ignore_index=ignore_index,
+                                                 reduction=reduction, label_smoothing=label_smoothing)
+    rows = logits.reshape(-1, logits.shape[-1])
+    flat_target = target.reshape(-1, target.shape[-1]) if target.is_floating_point() else target.reshape(-1)
+    loss = torch.nn.functional.cross_entropy(rows, flat_target, weight=weight, ignore_index=ignore_index,
+                                             reduction=reduction, label_smoothing=label_smoothing)
+    return loss.reshape(input.shape[:-1]) if reduction == "none" else loss
+
+
+def linear_cross_entropy(
+    input: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    linear_bias: Optional[torch.Tensor] = None,
+    weight: Optional[torch.Tensor] = None,
+    reduction: str = "mean",
+    ignore_index: Optional[int] = None,
+    label_smoothing: float = 0.0,
+    options: Optional[LinearCrossEntropyOptions] = None,
+) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(input, linear_weight, linear_bias), target,
+    ...)`` without holding the logits: torch 2.13's
+    ``torch.nn.functional.linear_cross_entropy``, on torch 2.11.
+
+    ``input`` [..., in_features] (its leading dimensions are the rows),
+    ``linear_weight`` [classes, in_features], ``linear_bias`` [classes] or
+    None, all of one floating dtype (under autocast they are cast to its
+    dtype, as ``F.linear``'s would be); ``target`` [...] class indices.
+    ``weight``, ``reduction``, ``label_smoothing``: ``F.cross_entropy``'s;
+    ``ignore_index`` None means -100, as torch maps it. ``options``
+    (:class:`LinearCrossEntropyOptions`): None takes the chunked path, unlike
+    torch 2.13's reference default (the values are the same; memory and speed
+    are why this function exists). The rows go in chunks (Note [Chunked
+    linear cross-entropy] in ``csrc/ops/linear_cross_entropy.cpp``): one GEMM
+    each for its logits, the fused cross-entropy in fp32, the gradients
+    accumulated in fp32. The loss has the linear's dtype (float32 under
+    autocast, whose cross_entropy runs in float32). Class-probability
+    targets take the reference path with a warning. Double backward raises.
+    """
+    options = LinearCrossEntropyOptions() if options is None else options
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f'linear_cross_entropy: reduction must be "mean", "sum" or "none", got "{reduction}"')
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"linear_cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
+    ignore_index = -100 if ignore_index is None else int(ignore_index)
+    if options.chunking_method == "none" or target.is_floating_point():
+        if target.is_floating_point() and options.chunking_method != "none":
+            warnings.warn(
+                "linear_cross_entropy: class-probability targets take the reference path "
+                "(F.cross_entropy(F.linear(...)), every logit held); the chunked path takes class indices",
+                stacklevel=2,
+            )
+        return _reference_linear_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction,
+                                               ignore_index, label_smoothing)
+    if input.dim() == 0:
+        raise ValueError("linear_cross_entropy: input must have a feature dimension, got a 0-d tensor")
+    if tuple(target.shape) != tuple(input.shape[:-1]):
+        raise ValueError(
+            f"linear_cross_entropy: input of shape {tuple(input.shape)} needs target of shape "
+            f"{tuple(input.shape[:-1])} (its leading dimensions), got {tuple(target.shape)}"
+        )
+    if target.dtype == torch.bool or target.is_complex():
+        raise TypeError(f"linear_cross_entropy: target must hold integer class indices, got {target.dtype}")
+    chunk = options.batch_chunk_size
+    if not torch.compiler.is_compiling():
+        return _C.linear_cross_entropy(
+            input, linear_weight, target, linear_bias, weight, reduction, ignore_index, float(label_smoothing),
+            -1 if chunk is None else int(chunk), bool(options.gradients_in_forward),
+        )
+    # Dynamo traces this path into the two ops (the C++ Function is opaque to it).
+    x, w, b = input, linear_weight, linear_bias
+    device_type = input.device.type
+    autocast = torch.is_autocast_enabled(device_type)
+    if autocast:
+        dtype = torch.get_autocast_dtype(device_type)
+        x, w = x.to(dtype), w.to(dtype)
+        b = None if b is None else b.to(dtype)
+    if linear_weight.dim() != 2 or x.shape[-1] != linear_weight.shape[1]:
+        raise ValueError(
+            f"linear_cross_entropy: input of shape {tuple(input.shape)} and linear_weight of shape "
+            f"{tuple(linear_weight.shape)} do not agree in in_features"
+        )
+    rows = x.reshape(-1, x.shape[-1])
+    if chunk is None:
+        chunk = _lce_chunk_rows(rows.shape[0], rows.shape[1], linear_weight.shape[0], x.dtype)
+    with_grad = (options.gradients_in_forward and reduction != "none" and torch.is_grad_enabled()
+                 and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)))
+    loss = _LinearCrossEntropy.apply(rows, w, b, target.reshape(-1).long(), weight, ignore_index,
+                                     float(label_smoothing), reduction, int(chunk), with_grad)
+    if reduction == "none":
+        loss = loss.reshape(target.shape)
+    return loss.to(torch.float32 if autocast else x.dtype)
 
 
 _BN_FORWARD = torch.ops.fusetrain.batch_norm_relu.default

@@ -1,0 +1,463 @@
+// The chunked linear + cross-entropy ops: argument checks, the device-generic
+// implementation (ATen GEMMs and fusetrain's softmax cross-entropy ops, so it
+// runs on every backend those run on) and the Meta one.
+//
+// Note [Chunked linear cross-entropy]
+// The loss of a language model's head, cross_entropy(x W^T + b, t) over N
+// rows and C classes, holds [N, C] logits and as large a gradient in eager
+// PyTorch: 8K tokens x 128K classes is 4 GiB in fp32 each way. These ops walk
+// the rows in chunks and never hold more than one chunk's logits:
+//   forward, per chunk of rows r:  z_r = x_r W^T + b         (one GEMM)
+//                                  loss_r, lse_r = CE(z_r)    (fp32)
+//   and, when the gradients are wanted in the same pass (`with_grad`),
+//                                  g_r = dloss/dz_r           (the CE backward)
+//                                  dx_r = g_r W               (a GEMM: complete)
+//                                  dW += g_r^T x_r, db += sum g_r (fp32)
+// Computing the gradients in the forward costs three GEMMs a chunk against
+// four for a backward that recomputes the logits, and holds dx and dW (fp32)
+// from the forward to the backward, which only rescales them by the loss's
+// gradient. That rescaling is exact only for a scalar loss, so "none" always
+// recomputes (linear_cross_entropy_backward). Chunk size: a chunk's logits
+// and gradient take about the memory of the input itself (Liger Kernel's
+// rule), and at least 64 MiB so that the GEMMs stay large and the fp32
+// accumulation of dW (C x H x 4 bytes read and written a chunk) stays a few
+// percent of the chunk's GEMM work; see linear_cross_entropy_chunk_rows.
+// The unweighted cross-entropy is fusetrain's fused op (one pass each way,
+// no fp32 copy of the logits); class weights take ATen's softmax in fp32 over
+// the chunk, torch's weighted formula:
+//   loss_i = (1 - ls) w_t (lse_i - z_it) + ls / C sum_j w_j (lse_i - z_ij)
+//   dloss_i/dz_ij = p_ij ((1 - ls) w_t + ls / C sum_k w_k) - (1 - ls) w_t [j = t] - ls / C w_j
+// and "mean" divides by the sum of the kept rows' target weights.
+#include <fusetrain/ops/checks.h>
+#include <fusetrain/ops/cross_entropy.h>
+#include <fusetrain/ops/linear_cross_entropy.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <array>
+#include <string>
+
+namespace fusetrain::ops {
+
+namespace {
+
+constexpr const char* kForwardOp = "fusetrain::linear_cross_entropy_forward";
+constexpr const char* kBackwardOp = "fusetrain::linear_cross_entropy_backward";
+
+bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+bool is_linear_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+// Every argument of either op, each message naming what is at fault.
+void check_args(const char* op, const at::Tensor& input, const at::Tensor& linear_weight,
+                const std::optional<at::Tensor>& linear_bias, const at::Tensor& target,
+                const std::optional<at::Tensor>& weight, double label_smoothing,
+                const std::string& reduction, int64_t chunk_rows) {
+  TORCH_CHECK(input.defined() && linear_weight.defined() && target.defined(), op,
+              ": input, linear_weight and target must be defined");
+  TORCH_CHECK(input.dim() == 2, op, ": input must be 2-D [rows, in_features], got shape ",
+              input.sizes());
+  TORCH_CHECK(is_linear_dtype(input.scalar_type()), op,
+              ": input must be float32, float16 or bfloat16, got ", input.scalar_type());
+  TORCH_CHECK(linear_weight.dim() == 2, op,
+              ": linear_weight must be 2-D [classes, in_features], got shape ",
+              linear_weight.sizes());
+  TORCH_CHECK(linear_weight.size(1) == input.size(1), op, ": input has ", input.size(1),
+              " features (shape ", input.sizes(), ") but linear_weight has shape ",
+              linear_weight.sizes(), "; they must agree in in_features");
+  TORCH_CHECK(linear_weight.scalar_type() == input.scalar_type(), op, ": input is ",
+              input.scalar_type(), " but linear_weight is ", linear_weight.scalar_type(),
+              "; cast one to the other (or run under autocast)");
+  check_same_device(linear_weight, input, op, "linear_weight", "input");
+  const int64_t classes = linear_weight.size(0);
+  if (given(linear_bias)) {
+    TORCH_CHECK(linear_bias->dim() == 1 && linear_bias->size(0) == classes, op,
+                ": linear_bias must have shape [", classes, "] (classes), got ",
+                linear_bias->sizes());
+    TORCH_CHECK(linear_bias->scalar_type() == input.scalar_type(), op, ": linear_bias is ",
+                linear_bias->scalar_type(), " but input and linear_weight are ",
+                input.scalar_type());
+    check_same_device(*linear_bias, input, op, "linear_bias", "input");
+  }
+  TORCH_CHECK(target.scalar_type() == at::kLong, op, ": target must be int64 class indices, got ",
+              target.scalar_type());
+  TORCH_CHECK(target.dim() == 1 && target.size(0) == input.size(0), op,
+              ": target must have one class index per row of input, shape [", input.size(0),
+              "], got ", target.sizes());
+  check_same_device(target, input, op, "target", "input");
+  if (given(weight)) {
+    TORCH_CHECK(weight->dim() == 1 && weight->size(0) == classes, op,
+                ": weight (class weights) must have shape [", classes, "], got ", weight->sizes());
+    TORCH_CHECK(at::isFloatingType(weight->scalar_type()), op,
+                ": weight (class weights) must be floating point, got ", weight->scalar_type());
+    check_same_device(*weight, input, op, "weight", "input");
+  }
+  TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, op,
+              ": label_smoothing must be in [0, 1], got ", label_smoothing);
+  parse_reduction(reduction, op);
+  TORCH_CHECK(chunk_rows >= 1, op, ": chunk_rows must be at least 1, got ", chunk_rows);
+}
+
+// On the CPU the targets are checked up front, so that the error names the
+// row of the whole batch (a chunk's cross-entropy would name its own row);
+// on CUDA the kernels' device-side asserts catch them, as in torch.
+void check_targets(const at::Tensor& target, int64_t classes, int64_t ignore_index) {
+  if (!target.is_cpu()) return;
+  const at::Tensor t = target.contiguous();
+  const int64_t* p = t.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    TORCH_CHECK_INDEX(p[i] == ignore_index || (p[i] >= 0 && p[i] < classes),
+                      "fusetrain::linear_cross_entropy: target[", i, "] = ", p[i],
+                      " is out of range for ", classes, " classes (valid: 0 to ", classes - 1,
+                      ", or ignore_index = ", ignore_index, ")");
+  }
+}
+
+// What one pass over the chunks computes: row losses (forward), and the
+// gradients for per-row loss gradients `scale` (0-d: every row's, or [N]).
+struct Pass {
+  const at::Tensor& input;
+  const at::Tensor& linear_weight;
+  const std::optional<at::Tensor>& linear_bias;
+  const at::Tensor& target;
+  at::Tensor class_weight;  // float32 [C], undefined when unweighted
+  int64_t ignore_index;
+  double label_smoothing;
+  int64_t chunk_rows;
+};
+
+struct Grads {
+  at::Tensor input;   // [N, H] in the linear's dtype, or undefined
+  at::Tensor weight;  // [C, H] float32 accumulator, or undefined
+  at::Tensor bias;    // [C] float32 accumulator, or undefined
+};
+
+// Weighted softmax cross-entropy of one chunk in fp32 (torch's formula, Note
+// [Chunked linear cross-entropy]): the row losses (when row_loss is given)
+// and, when `scale` is defined, the logits' gradient in `dtype`.
+at::Tensor weighted_chunk(const at::Tensor& z, const at::Tensor& t, const at::Tensor& w,
+                          int64_t ignore_index, double ls, const at::Tensor& row_loss,
+                          const at::Tensor& lse_out, const at::Tensor& lse_in,
+                          const at::Tensor& scale, at::ScalarType dtype) {
+  const int64_t classes = z.size(1);
+  const at::Tensor zf = z.to(at::kFloat);
+  const at::Tensor lse = lse_in.defined() ? lse_in : at::logsumexp(zf, {1});
+  const at::Tensor kept = t.ne(ignore_index);
+  const at::Tensor keptf = kept.to(at::kFloat);
+  const at::Tensor tc = at::where(kept, t, 0).unsqueeze(1);
+  const at::Tensor wt = w.index_select(0, tc.squeeze(1)).mul(keptf);
+  const double smooth = ls / static_cast<double>(classes);
+  if (row_loss.defined()) {
+    at::Tensor loss = lse.sub(zf.gather(1, tc).squeeze(1)).mul(wt).mul(1.0 - ls);
+    if (ls != 0.0) {
+      // sum_j w_j (lse - z_j) = lse sum_j w_j - z . w
+      loss.add_(lse.mul(w.sum()).sub(at::mv(zf, w)).mul(keptf).mul(smooth));
+    }
+    row_loss.copy_(loss);
+    if (lse_out.defined()) lse_out.copy_(lse);
+  }
+  if (!scale.defined()) return {};
+  at::Tensor grad = zf.sub(lse.unsqueeze(1)).exp_();
+  grad.mul_(wt.mul(1.0 - ls).add(keptf.mul(w.sum()).mul(smooth)).unsqueeze(1));
+  if (ls != 0.0) grad.sub_(keptf.unsqueeze(1).mul(w.unsqueeze(0)).mul(smooth));
+  grad.scatter_add_(1, tc, wt.mul(-(1.0 - ls)).unsqueeze(1));
+  // Ignored rows stay exact zeros even when the scale is inf ("mean" over no
+  // kept row: 0 / 0 is the loss, not the gradient).
+  grad.mul_(at::where(kept, scale, 0.f).unsqueeze(1));
+  return grad.to(dtype);
+}
+
+// Runs the chunks: fills row_loss and lse (when defined: the forward) and
+// accumulates the gradients for `scale` into `grads` (when scale is defined).
+// `lse_in` (the backward's) spares recomputing each row's log-sum-exp.
+void run_chunks(const Pass& p, const at::Tensor& row_loss, const at::Tensor& lse_out,
+                const at::Tensor& lse_in, const at::Tensor& scale, Grads& grads) {
+  const int64_t n = p.input.size(0);
+  const bool per_row_scale = scale.defined() && scale.dim() == 1;
+  const at::Tensor weight_t = p.linear_weight.t();
+  for (int64_t r0 = 0; r0 < n; r0 += p.chunk_rows) {
+    const int64_t r = std::min(p.chunk_rows, n - r0);
+    const at::Tensor x = p.input.narrow(0, r0, r);
+    const at::Tensor t = p.target.narrow(0, r0, r);
+    const at::Tensor z =
+        given(p.linear_bias) ? at::addmm(*p.linear_bias, x, weight_t) : at::mm(x, weight_t);
+    const at::Tensor chunk_loss = row_loss.defined() ? row_loss.narrow(0, r0, r) : at::Tensor();
+    const at::Tensor chunk_lse_out = lse_out.defined() ? lse_out.narrow(0, r0, r) : at::Tensor();
+    const at::Tensor chunk_lse_in = lse_in.defined() ? lse_in.narrow(0, r0, r) : at::Tensor();
+    const at::Tensor chunk_scale =
+        !scale.defined() ? at::Tensor() : (per_row_scale ? scale.narrow(0, r0, r) : scale);
+    at::Tensor g;
+    if (p.class_weight.defined()) {
+      g = weighted_chunk(z, t, p.class_weight, p.ignore_index, p.label_smoothing, chunk_loss,
+                         chunk_lse_out, chunk_lse_in, chunk_scale, z.scalar_type());
+    } else {
+      at::Tensor lse = chunk_lse_in;
+      if (chunk_loss.defined()) {
+        auto [rows, chunk_lse, kept] =
+            softmax_cross_entropy_forward(z, t, p.ignore_index, p.label_smoothing, "none");
+        chunk_loss.copy_(rows);
+        if (chunk_lse_out.defined()) chunk_lse_out.copy_(chunk_lse);
+        lse = chunk_lse;
+      }
+      if (chunk_scale.defined()) {
+        g = softmax_cross_entropy_backward(chunk_scale, z, t, lse, p.ignore_index,
+                                           p.label_smoothing, per_row_scale ? "none" : "sum");
+      }
+    }
+    if (!g.defined()) continue;
+    if (grads.input.defined()) {
+      at::Tensor dx = grads.input.narrow(0, r0, r);
+      at::mm_out(dx, g, p.linear_weight);
+    }
+    if (grads.weight.defined()) mm_accumulate_(grads.weight, g.t(), x);
+    if (grads.bias.defined()) grads.bias.add_(g.sum(0, /*keepdim=*/false, at::kFloat));
+  }
+}
+
+Pass pass_of(const at::Tensor& input, const at::Tensor& linear_weight,
+             const std::optional<at::Tensor>& linear_bias, const at::Tensor& target,
+             const std::optional<at::Tensor>& weight, int64_t ignore_index,
+             double label_smoothing, int64_t chunk_rows) {
+  return {input,
+          linear_weight,
+          linear_bias,
+          target,
+          given(weight) ? weight->to(at::kFloat).contiguous() : at::Tensor(),
+          ignore_index,
+          label_smoothing,
+          chunk_rows};
+}
+
+// What "mean" divides by: the kept rows, or the sum of their targets' class
+// weights (torch's weighted mean); 1 for "sum" and "none". float32 0-d.
+at::Tensor denominator_of(const Pass& p, Reduction red) {
+  const auto f32 = p.input.options().dtype(at::kFloat);
+  if (red != Reduction::kMean) return at::ones({}, f32);
+  const at::Tensor kept = p.target.ne(p.ignore_index);
+  if (!p.class_weight.defined()) return kept.sum().to(at::kFloat);
+  const at::Tensor tc = at::where(kept, p.target, 0);
+  return p.class_weight.index_select(0, tc).mul(kept).sum();
+}
+
+// Grads with the accumulators the mask asks for.
+Grads grads_for(const Pass& p, std::array<bool, 3> mask) {
+  const auto f32 = p.input.options().dtype(at::kFloat);
+  Grads g;
+  if (mask[0]) g.input = at::empty_like(p.input, at::MemoryFormat::Contiguous);
+  if (mask[1]) g.weight = at::zeros(p.linear_weight.sizes(), f32);
+  if (mask[2] && given(p.linear_bias)) g.bias = at::zeros({p.linear_weight.size(0)}, f32);
+  return g;
+}
+
+// The accumulated gradients in the linear's dtype (the float32 accumulators
+// are returned as they are for a float32 linear), empty where not computed.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> finish(const Grads& g, at::ScalarType dtype,
+                                                      const at::TensorOptions& options) {
+  const auto out = [&](const at::Tensor& t) {
+    return t.defined() ? t.to(dtype) : at::empty({0}, options.dtype(dtype));
+  };
+  return {out(g.input), out(g.weight), out(g.bias)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+forward_generic(const at::Tensor& input_in, const at::Tensor& linear_weight_in,
+                const std::optional<at::Tensor>& linear_bias_in, const at::Tensor& target_in,
+                const std::optional<at::Tensor>& weight, int64_t ignore_index,
+                double label_smoothing, c10::string_view reduction_view, int64_t chunk_rows,
+                bool with_grad) {
+  const std::string reduction(reduction_view);
+  check_args(kForwardOp, input_in, linear_weight_in, linear_bias_in, target_in, weight,
+             label_smoothing, reduction, chunk_rows);
+  const Reduction red = parse_reduction(reduction, kForwardOp);
+  TORCH_CHECK(!with_grad || red != Reduction::kNone, kForwardOp,
+              ": with_grad needs a scalar loss (reduction \"mean\" or \"sum\"); \"none\" "
+              "recomputes in linear_cross_entropy_backward");
+  // The GEMMs run in the linear's dtype as given: the callers cast for
+  // autocast; autocast itself must not recast inside.
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  const at::Tensor input = input_in.contiguous();
+  const at::Tensor linear_weight = linear_weight_in.contiguous();
+  const std::optional<at::Tensor> linear_bias =
+      given(linear_bias_in) ? std::optional<at::Tensor>(linear_bias_in->contiguous()) : std::nullopt;
+  const at::Tensor target = target_in.contiguous();
+  check_targets(target, linear_weight.size(0), ignore_index);
+
+  const Pass p = pass_of(input, linear_weight, linear_bias, target, weight, ignore_index,
+                         label_smoothing, chunk_rows);
+  const auto f32 = input.options().dtype(at::kFloat);
+  const int64_t n = input.size(0);
+  at::Tensor row_loss = at::empty({n}, f32);
+  at::Tensor lse = at::empty({n}, f32);
+  const at::Tensor denominator = denominator_of(p, red);
+  // The gradient of the loss with respect to each row's loss, for a loss
+  // gradient of 1: 1 / denominator for "mean", 1 for "sum".
+  const at::Tensor scale = with_grad ? at::reciprocal(denominator) : at::Tensor();
+  Grads grads = with_grad ? grads_for(p, {true, true, true}) : Grads{};
+  run_chunks(p, row_loss, lse, at::Tensor(), scale, grads);
+
+  at::Tensor loss = row_loss;
+  if (red != Reduction::kNone) {
+    // A double sum of the fp32 row losses, rounded once (the fused
+    // cross-entropy's reduction); all rows ignored under "mean": 0 / 0 = NaN.
+    const at::Tensor total = row_loss.sum(0, /*keepdim=*/false, at::kDouble);
+    loss = (red == Reduction::kMean ? total.div(denominator) : total).to(at::kFloat);
+  }
+  auto [gi, gw, gb] = finish(grads, input.scalar_type(), input.options());
+  return {loss, lse, denominator, gi, gw, gb};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_generic(
+    const at::Tensor& grad_loss, const at::Tensor& input_in, const at::Tensor& linear_weight_in,
+    const std::optional<at::Tensor>& linear_bias_in, const at::Tensor& target_in,
+    const std::optional<at::Tensor>& weight, const at::Tensor& lse, const at::Tensor& denominator,
+    int64_t ignore_index, double label_smoothing, c10::string_view reduction_view,
+    int64_t chunk_rows, std::array<bool, 3> output_mask) {
+  const std::string reduction(reduction_view);
+  check_args(kBackwardOp, input_in, linear_weight_in, linear_bias_in, target_in, weight,
+             label_smoothing, reduction, chunk_rows);
+  const Reduction red = parse_reduction(reduction, kBackwardOp);
+  const int64_t n = input_in.size(0);
+  TORCH_CHECK(grad_loss.defined() && grad_loss.is_floating_point(), kBackwardOp,
+              ": grad_loss must be a floating point tensor");
+  TORCH_CHECK(red == Reduction::kNone ? (grad_loss.dim() == 1 && grad_loss.size(0) == n)
+                                      : grad_loss.numel() == 1,
+              kBackwardOp, ": grad_loss must have shape ",
+              red == Reduction::kNone ? "[" + std::to_string(n) + "]" : std::string("[]"),
+              " for reduction \"", reduction, "\", got ", grad_loss.sizes());
+  TORCH_CHECK(lse.defined() && lse.scalar_type() == at::kFloat && lse.dim() == 1 &&
+                  lse.size(0) == n,
+              kBackwardOp, ": lse must be the forward's float32 [", n, "] output, got ",
+              lse.sizes());
+  TORCH_CHECK(denominator.defined() && denominator.numel() == 1, kBackwardOp,
+              ": denominator must be the forward's one-element output, got ", denominator.sizes());
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  const at::Tensor input = input_in.contiguous();
+  const at::Tensor linear_weight = linear_weight_in.contiguous();
+  const std::optional<at::Tensor> linear_bias =
+      given(linear_bias_in) ? std::optional<at::Tensor>(linear_bias_in->contiguous()) : std::nullopt;
+  const at::Tensor target = target_in.contiguous();
+  check_targets(target, linear_weight.size(0), ignore_index);
+
+  const Pass p = pass_of(input, linear_weight, linear_bias, target, weight, ignore_index,
+                         label_smoothing, chunk_rows);
+  at::Tensor scale = grad_loss.to(at::kFloat);
+  scale = red == Reduction::kNone ? scale.contiguous() : scale.reshape({});
+  if (red == Reduction::kMean) scale = scale.div(denominator.reshape({}).to(at::kFloat));
+  Grads grads = grads_for(p, output_mask);
+  if (output_mask[0] || output_mask[1] || (output_mask[2] && given(linear_bias))) {
+    run_chunks(p, at::Tensor(), at::Tensor(), lse.contiguous(), scale, grads);
+  }
+  return finish(grads, input.scalar_type(), input.options());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_meta(
+    const at::Tensor& input, const at::Tensor& linear_weight,
+    const std::optional<at::Tensor>& linear_bias, const at::Tensor& target,
+    const std::optional<at::Tensor>& weight, int64_t ignore_index, double label_smoothing,
+    c10::string_view reduction_view, int64_t chunk_rows, bool with_grad) {
+  const std::string reduction(reduction_view);
+  check_args(kForwardOp, input, linear_weight, linear_bias, target, weight, label_smoothing,
+             reduction, chunk_rows);
+  const Reduction red = parse_reduction(reduction, kForwardOp);
+  const auto f32 = input.options().dtype(at::kFloat);
+  const int64_t n = input.size(0);
+  const auto grad_like = [&](const at::Tensor& t, bool want) {
+    return want ? at::empty(t.sizes(), input.options()) : at::empty({0}, input.options());
+  };
+  return {red == Reduction::kNone ? at::empty({n}, f32) : at::empty({}, f32),
+          at::empty({n}, f32),
+          at::empty({}, f32),
+          grad_like(input, with_grad),
+          grad_like(linear_weight, with_grad),
+          given(linear_bias) ? grad_like(*linear_bias, with_grad) : at::empty({0}, input.options())};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_meta(
+    const at::Tensor& grad_loss, const at::Tensor& input, const at::Tensor& linear_weight,
+    const std::optional<at::Tensor>& linear_bias, const at::Tensor& target,
+    const std::optional<at::Tensor>& weight, const at::Tensor& lse, const at::Tensor& denominator,
+    int64_t ignore_index, double label_smoothing, c10::string_view reduction_view,
+    int64_t chunk_rows, std::array<bool, 3> output_mask) {
+  const std::string reduction(reduction_view);
+  check_args(kBackwardOp, input, linear_weight, linear_bias, target, weight, label_smoothing,
+             reduction, chunk_rows);
+  const auto grad_like = [&](const at::Tensor& t, bool want) {
+    return want ? at::empty(t.sizes(), input.options()) : at::empty({0}, input.options());
+  };
+  return {grad_like(input, output_mask[0]), grad_like(linear_weight, output_mask[1]),
+          given(linear_bias) ? grad_like(*linear_bias, output_mask[2])
+                             : at::empty({0}, input.options())};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+linear_cross_entropy_forward(const at::Tensor& input, const at::Tensor& linear_weight,
+                             const std::optional<at::Tensor>& linear_bias,
+                             const at::Tensor& target, const std::optional<at::Tensor>& weight,
+                             int64_t ignore_index, double label_smoothing,
+                             const std::string& reduction, int64_t chunk_rows, bool with_grad) {
+  using Fn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
+      const std::optional<at::Tensor>&, int64_t, double, c10::string_view, int64_t, bool);
+  static auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow(kForwardOp, "").typed<Fn>();
+  return op.call(input, linear_weight, linear_bias, target, weight, ignore_index, label_smoothing,
+                 reduction, chunk_rows, with_grad);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
+    const at::Tensor& grad_loss, const at::Tensor& input, const at::Tensor& linear_weight,
+    const std::optional<at::Tensor>& linear_bias, const at::Tensor& target,
+    const std::optional<at::Tensor>& weight, const at::Tensor& lse, const at::Tensor& denominator,
+    int64_t ignore_index, double label_smoothing, const std::string& reduction,
+    int64_t chunk_rows, std::array<bool, 3> output_mask) {
+  using Fn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+      const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+      int64_t, double, c10::string_view, int64_t, std::array<bool, 3>);
+  static auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow(kBackwardOp, "").typed<Fn>();
+  return op.call(grad_loss, input, linear_weight, linear_bias, target, weight, lse, denominator,
+                 ignore_index, label_smoothing, reduction, chunk_rows, output_mask);
+}
+
+void mm_accumulate_(at::Tensor& out, const at::Tensor& mat1, const at::Tensor& mat2) {
+  if (mat1.scalar_type() == out.scalar_type()) {
+    out.addmm_(mat1, mat2);
+  } else if (out.is_cuda()) {
+    // cuBLAS with a float32 C and beta = 1: no [rows, cols] temporary.
+    at::addmm_out(out, out, mat1, mat2, out.scalar_type());
+  } else {
+    out.add_(at::mm(mat1, mat2));
+  }
+}
+
+int64_t linear_cross_entropy_chunk_rows(int64_t rows, int64_t in_features, int64_t classes,
+                                        at::ScalarType dtype) {
+  constexpr int64_t kMinBytes = int64_t{64} << 20;
+  constexpr int64_t kMultiple = 64;
+  const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
+  const int64_t budget = std::max(rows * in_features * element, kMinBytes);
+  // The chunk's logits and their gradient: 2 x chunk x classes elements.
+  int64_t chunk = budget / std::max<int64_t>(2 * classes * element, 1);
+  chunk = std::max(kMultiple, chunk / kMultiple * kMultiple);
+  return std::max<int64_t>(1, std::min(chunk, rows));
+}
+
+TORCH_LIBRARY_IMPL(fusetrain, CompositeExplicitAutograd, m) {
+  m.impl("linear_cross_entropy_forward", &forward_generic);
+  m.impl("linear_cross_entropy_backward", &backward_generic);
+}
+
+TORCH_LIBRARY_IMPL(fusetrain, Meta, m) {
+  m.impl("linear_cross_entropy_forward", &forward_meta);
+  m.impl("linear_cross_entropy_backward", &backward_meta);
+}
+
+}  // namespace fusetrain::ops

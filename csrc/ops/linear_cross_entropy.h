@@ -1,0 +1,65 @@
+// C++ entry points of the chunked linear + cross-entropy ops (Note [Chunked
+// linear cross-entropy] in linear_cross_entropy.cpp): the loss of
+// cross_entropy(input @ linear_weight^T + linear_bias, target) without ever
+// holding the [rows, classes] logits. They call through the dispatcher, so one
+// call serves every device; the autograd-aware faces are
+// fusetrain::nn::linear_cross_entropy (C++) and
+// fusetrain.nn.functional.linear_cross_entropy (Python).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <optional>
+#include <string>
+#include <tuple>
+
+namespace fusetrain::ops {
+
+/// The forward over chunks of `chunk_rows` rows of `input` [N, H] (the
+/// linear's dtype: float32, float16 or bfloat16) against `linear_weight`
+/// [C, H] and `linear_bias` [C] of the same dtype; `target` int64 [N] class
+/// indices or ignore_index; `weight` (class weights) [C], any float dtype,
+/// used in fp32. Per chunk one GEMM gives the logits, the softmax
+/// cross-entropy runs over them in fp32, and, when `with_grad`, the chunk's
+/// logit gradient feeds the input-gradient GEMM and accumulates the weight
+/// (fp32) and bias gradients. Returns
+///   - loss: float32, [N] for "none", else 0-d (sum, or sum / denominator);
+///   - lse: float32 [N], each row's log-sum-exp (what the backward reuses);
+///   - denominator: float32 0-d, what "mean" divides by (the kept rows, or
+///     with class weights the sum of their targets' weights), 1 otherwise;
+///   - grad_input [N, H], grad_weight [C, H], grad_bias [C] (empty without a
+///     bias): d loss / d each for a loss gradient of 1, in the linear's dtype,
+///     when `with_grad` (only for "mean" and "sum"); else empty.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+linear_cross_entropy_forward(const at::Tensor& input, const at::Tensor& linear_weight,
+                             const std::optional<at::Tensor>& linear_bias,
+                             const at::Tensor& target, const std::optional<at::Tensor>& weight,
+                             int64_t ignore_index, double label_smoothing,
+                             const std::string& reduction, int64_t chunk_rows, bool with_grad);
+
+/// The gradients for `grad_loss` (0-d, or [N] for "none"), recomputing each
+/// chunk's logits from input and weights and its softmax from the forward's
+/// `lse`: (grad_input, grad_weight, grad_bias), each empty where
+/// `output_mask` says it is not needed (grad_bias also without a bias).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
+    const at::Tensor& grad_loss, const at::Tensor& input, const at::Tensor& linear_weight,
+    const std::optional<at::Tensor>& linear_bias, const at::Tensor& target,
+    const std::optional<at::Tensor>& weight, const at::Tensor& lse, const at::Tensor& denominator,
+    int64_t ignore_index, double label_smoothing, const std::string& reduction,
+    int64_t chunk_rows, std::array<bool, 3> output_mask);
+
+/// out += mat1 @ mat2 with `out` float32 and mat1, mat2 of one dtype
+/// (float32, float16 or bfloat16), accumulated in fp32: on CUDA one cuBLAS
+/// GEMM with beta = 1 into `out` (addmm with out_dtype float32); elsewhere a
+/// 16-bit GEMM (fp32 accumulation inside) added into `out`.
+void mm_accumulate_(at::Tensor& out, const at::Tensor& mat1, const at::Tensor& mat2);
+
+/// Rows per chunk when the caller gives none (Note [Chunked linear
+/// cross-entropy]): a chunk's logits and their gradient take about the
+/// memory of the input itself, and at least 64 MiB; a multiple of 64 rows,
+/// at most `rows`.
+int64_t linear_cross_entropy_chunk_rows(int64_t rows, int64_t in_features, int64_t classes,
+                                        at::ScalarType dtype);
+
+}  // namespace fusetrain::ops
