@@ -60,7 +60,13 @@ Unscaled unscale_on_cpu(const std::vector<at::Tensor>& inputs, float inv_scale) 
 
 // Tensors of every size class the launch layout distinguishes, each placed
 // at its own misalignment (0-7 elements) by unscale_on_emulator.
-std::vector<at::Tensor> size_classes(at::ScalarType dtype, bool non_finite) {
+// Where non-finite values go: none; an inf and a -inf that are the last
+// elements their threads read, and a NaN mid-chunk; or that NaN alone, so
+// that a thread reads finite values after it (a flag overwritten rather than
+// or-ed would lose it).
+enum class NonFinite { kNone, kTailsAndMid, kMidOnly };
+
+std::vector<at::Tensor> size_classes(at::ScalarType dtype, NonFinite non_finite) {
   const std::vector<int64_t> sizes = {0, 1, 7, 15, 16, 17, 255, kChunk - 1, kChunk, kChunk + 1,
                                       278011};
   std::vector<at::Tensor> tensors;
@@ -69,9 +75,11 @@ std::vector<at::Tensor> size_classes(at::ScalarType dtype, bool non_finite) {
                              static_cast<int64_t>(i % 8));
     tensors.push_back(t);
   }
-  if (non_finite) {
-    tensors[9][kChunk] = std::numeric_limits<double>::infinity();  // the second chunk's tail
+  if (non_finite != NonFinite::kNone) {
     tensors[10][200000] = std::numeric_limits<double>::quiet_NaN();
+  }
+  if (non_finite == NonFinite::kTailsAndMid) {
+    tensors[9][kChunk] = std::numeric_limits<double>::infinity();  // the second chunk's tail
     tensors[10][278010] = -std::numeric_limits<double>::infinity();  // the last element
   }
   return tensors;
@@ -85,7 +93,8 @@ TEST_CASE("unscale kernel equals the CPU op bit for bit over sizes, tails and mi
   const at::ScalarType dtype = GENERATE(at::kFloat, at::kHalf, at::kBFloat16, at::kDouble);
   // 1: the kernel only checks (no writes); 2^-10: exact; 0.37: every product rounds.
   const float inv_scale = GENERATE(1.f, 0x1p-10f, 0.37f);
-  const bool non_finite = GENERATE(false, true);
+  const NonFinite non_finite =
+      GENERATE(NonFinite::kNone, NonFinite::kTailsAndMid, NonFinite::kMidOnly);
   // One block striding over every chunk, a few, and one per chunk.
   const int max_blocks = GENERATE(1, 3, 1000);
   CAPTURE(dtype, inv_scale, non_finite, max_blocks);
@@ -93,7 +102,7 @@ TEST_CASE("unscale kernel equals the CPU op bit for bit over sizes, tails and mi
   const std::vector<at::Tensor> inputs = size_classes(dtype, non_finite);
   const Unscaled gpu = unscale_on_emulator(inputs, inv_scale, max_blocks);
   const Unscaled cpu = unscale_on_cpu(inputs, inv_scale);
-  CHECK(gpu.found_inf == (non_finite ? 1.f : 0.f));
+  CHECK(gpu.found_inf == (non_finite != NonFinite::kNone ? 1.f : 0.f));
   CHECK(gpu.found_inf == cpu.found_inf);
   for (size_t i = 0; i < inputs.size(); ++i) {
     CAPTURE(i, inputs[i].numel());

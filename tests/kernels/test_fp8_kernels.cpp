@@ -69,9 +69,11 @@ TEST_CASE("current-scaling kernels equal the CPU op bit for bit", "[kernels][fp8
   const at::ScalarType in = GENERATE(at::kFloat, at::kHalf, at::kBFloat16);
   const at::ScalarType out = GENERATE(at::kFloat8_e4m3fn, at::kFloat8_e5m2);
   const int64_t n = GENERATE(1, 15, 16, 17, 4111, 278011);
-  // Aligned, or x off a 16-byte boundary and the bytes off their pack size.
+  // Aligned; x off a 16-byte boundary and the bytes off their pack size; or
+  // x aligned and the bytes not (the vector loads with byte-wise stores).
   const auto [x_offset, out_offset] = GENERATE(std::pair<int64_t, int64_t>{0, 0},
-                                               std::pair<int64_t, int64_t>{3, 1});
+                                               std::pair<int64_t, int64_t>{3, 1},
+                                               std::pair<int64_t, int64_t>{0, 1});
   const bool non_finite = GENERATE(false, true);
   // One block striding over everything, or many (their amaxes meet in an atomicMax).
   const int max_blocks = GENERATE(1, 64);

@@ -18,6 +18,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -280,6 +281,33 @@ TEST_CASE("fused Adam kernel skips the step on found_inf, counters included",
     REQUIRE_BITS_EQUAL(s.vmax[i], before.vmax[i]);
     REQUIRE_BITS_EQUAL(s.master[i], before.master[i]);
     REQUIRE_BITS_EQUAL(s.step[i], before.step[i]);
+  }
+}
+
+TEST_CASE("fused AMSGrad keeps a NaN max_exp_avg_sq, as the CPU op's std::max does",
+          "[kernels][optim][adam]") {
+  // max(vmax, v) with a NaN vmax is NaN in torch (and so is the step it
+  // takes); fmaxf would return v and hide the NaN. NaNs on the vector path
+  // and in a scalar tail, aligned and not.
+  at::manual_seed(9);
+  const AdamCase c{"fp32 amsgrad", at::kFloat, false, true, false, true, 0.01, false, at::kByte};
+  const bool misaligned = GENERATE(false, true);
+  CAPTURE(misaligned);
+  AdamState want = adam_state(c, {37, 4099}, 1.0, misaligned);
+  for (at::Tensor& t : want.vmax) {
+    t[3] = std::numeric_limits<float>::quiet_NaN();
+    t[t.numel() - 1] = std::numeric_limits<float>::quiet_NaN();
+  }
+  AdamState got = copy_state(want);
+  fusetrain::ops::AdamHyper h;
+  h.amsgrad = true;
+  adam_on_emulator(c, got, h, nullptr, nullptr, at::Tensor());
+  adam_on_cpu(want, h, at::Tensor(), at::Tensor(), at::Tensor());
+  for (size_t i = 0; i < got.vmax.size(); ++i) {
+    CAPTURE(i);
+    CHECK(at::equal(got.vmax[i].isnan(), want.vmax[i].isnan()));
+    CHECK(at::equal(got.param[i].isnan(), want.param[i].isnan()));
+    CHECK(got.vmax[i].isnan().sum().item<int64_t>() == 2);
   }
 }
 
