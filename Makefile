@@ -5,7 +5,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-.PHONY: deps configure build test train bench gpu-check gpu-deps clean format
+.PHONY: deps configure build test kernel-mutants train bench gpu-check gpu-deps clean format
 
 deps:
 	@scripts/install-deps.sh
@@ -22,6 +22,11 @@ build: deps configure
 
 test: build
 	@scripts/run-tests.sh $(PYTHON) $(BUILD)
+
+# Planted bugs in copies of the kernels that the kernel tests must catch
+# (tests/kernel_mutants.txt): 7 to 12 minutes, so not part of test.
+kernel-mutants: build
+	JOBS=$(JOBS) scripts/kernel-mutants.sh $(BUILD)
 
 train: build
 	FUSETRAIN_PYTHON=$(PYTHON) $(BUILD)/fusetrain train --config configs/fashion_mnist.yaml
