@@ -59,13 +59,21 @@ class LinearCrossEntropyFunction
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    // Not twice differentiable: a backward that builds a graph
+    // (create_graph=True) would give gradients whose own gradient through
+    // this loss is silently zero.
+    TORCH_CHECK(!at::GradMode::is_enabled(), kName,
+                ": double backward is not supported (the op is once differentiable); "
+                "compute the loss with torch::nn::functional::cross_entropy(linear(...)) where "
+                "second-order gradients are needed");
     const at::Tensor& grad_loss = grads[0];
     at::Tensor gi, gw, gb;
     if (ctx->saved_data["with_grad"].toBool()) {
+      // needs_input_grad is false for an absent bias (not an input variable).
       const auto scaled = [&](const char* key, int i) {
-        const at::Tensor g = ctx->saved_data[key].toTensor();
-        return ctx->needs_input_grad(i) && g.numel() > 0 ? g.mul(grad_loss.reshape({}))
-                                                         : at::Tensor();
+        return ctx->needs_input_grad(i)
+                   ? ctx->saved_data[key].toTensor().mul(grad_loss.reshape({}))
+                   : at::Tensor();
       };
       gi = scaled("grad_input", 0);
       gw = scaled("grad_weight", 1);
@@ -131,7 +139,8 @@ at::Tensor linear_cross_entropy(const at::Tensor& input, const at::Tensor& linea
   // Under autocast the GEMMs run in its dtype, as F.linear's would, and the
   // loss comes out in float32, as autocast's cross_entropy gives.
   const c10::DeviceType device_type = input.device().type();
-  const bool autocast = at::autocast::is_autocast_enabled(device_type);
+  const bool autocast = at::autocast::is_autocast_available(device_type) &&
+                        at::autocast::is_autocast_enabled(device_type);
   at::Tensor x = input;
   at::Tensor w = linear_weight;
   at::Tensor b = options.linear_bias;

@@ -278,8 +278,10 @@ forward_generic(const at::Tensor& input_in, const at::Tensor& linear_weight_in,
               ": with_grad needs a scalar loss (reduction \"mean\" or \"sum\"); \"none\" "
               "recomputes in linear_cross_entropy_backward");
   // The GEMMs run in the linear's dtype as given: the callers cast for
-  // autocast; autocast itself must not recast inside.
+  // autocast; autocast itself must not recast inside. Nor does autograd
+  // record the ATen calls inside: the op is one node (the faces' Functions).
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
   const at::Tensor input = input_in.contiguous();
   const at::Tensor linear_weight = linear_weight_in.contiguous();
   const std::optional<at::Tensor> linear_bias =
@@ -336,6 +338,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_generic(
   TORCH_CHECK(denominator.defined() && denominator.numel() == 1, kBackwardOp,
               ": denominator must be the forward's one-element output, got ", denominator.sizes());
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
   const at::Tensor input = input_in.contiguous();
   const at::Tensor linear_weight = linear_weight_in.contiguous();
   const std::optional<at::Tensor> linear_bias =

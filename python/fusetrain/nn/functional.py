@@ -235,8 +235,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_loss):
+        if torch.is_grad_enabled():
+            # create_graph=True: the gradients' own gradient through this
+            # loss would silently be zero.
+            raise RuntimeError(
+                "linear_cross_entropy: double backward is not supported (the op is once "
+                "differentiable); use F.cross_entropy(F.linear(...)) where second-order "
+                "gradients are needed"
+            )
         need = ctx.needs_input_grad
         if ctx.with_grad:
             gi, gw, gb = ctx.saved_tensors
@@ -329,13 +336,14 @@ def linear_cross_entropy(
     # Dynamo traces this path into the two ops (the C++ Function is opaque to it).
     x, w, b = input, linear_weight, linear_bias
     device_type = input.device.type
-    autocast = torch.is_autocast_enabled(device_type)
+    # (Meta tensors have no autocast state to ask about.)
+    autocast = device_type != "meta" and torch.is_autocast_enabled(device_type)
     if autocast:
         dtype = torch.get_autocast_dtype(device_type)
         x, w = x.to(dtype), w.to(dtype)
         b = None if b is None else b.to(dtype)
     if linear_weight.dim() != 2 or x.shape[-1] != linear_weight.shape[1]:
-        raise ValueError(
+        raise RuntimeError(
             f"linear_cross_entropy: input of shape {tuple(input.shape)} and linear_weight of shape "
             f"{tuple(linear_weight.shape)} do not agree in in_features"
         )
