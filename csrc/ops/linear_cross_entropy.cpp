@@ -121,10 +121,10 @@ void check_targets(const at::Tensor& target, int64_t classes, int64_t ignore_ind
 // What one pass over the chunks computes: row losses (forward), and the
 // gradients for per-row loss gradients `scale` (0-d: every row's, or [N]).
 struct Pass {
-  const at::Tensor& input;
-  const at::Tensor& linear_weight;
-  const std::optional<at::Tensor>& linear_bias;
-  const at::Tensor& target;
+  at::Tensor input;  // the operands contiguous: the GEMMs and row loops take spans
+  at::Tensor linear_weight;
+  std::optional<at::Tensor> linear_bias;
+  at::Tensor target;
   at::Tensor class_weight;  // float32 [C], undefined when unweighted
   int64_t ignore_index;
   double label_smoothing;
@@ -219,19 +219,30 @@ void run_chunks(const Pass& p, const at::Tensor& row_loss, const at::Tensor& lse
   }
 }
 
+// Either op's operands, made contiguous, with the targets checked.
 Pass pass_of(const at::Tensor& input, const at::Tensor& linear_weight,
              const std::optional<at::Tensor>& linear_bias, const at::Tensor& target,
              const std::optional<at::Tensor>& weight, int64_t ignore_index,
              double label_smoothing, int64_t chunk_rows) {
-  return {input,
-          linear_weight,
-          linear_bias,
-          target,
-          given(weight) ? weight->to(at::kFloat).contiguous() : at::Tensor(),
-          ignore_index,
-          label_smoothing,
-          chunk_rows};
+  Pass p{input.contiguous(),
+         linear_weight.contiguous(),
+         given(linear_bias) ? std::optional<at::Tensor>(linear_bias->contiguous()) : std::nullopt,
+         target.contiguous(),
+         given(weight) ? weight->to(at::kFloat).contiguous() : at::Tensor(),
+         ignore_index,
+         label_smoothing,
+         chunk_rows};
+  check_targets(p.target, p.linear_weight.size(0), ignore_index);
+  return p;
 }
+
+// Inside either op: autocast does not recast the GEMMs (they run in the
+// linear's dtype as given; the callers cast for autocast), and autograd does
+// not record the ATen calls (the op is one node: the faces' Functions).
+struct BelowAutocastAndAutograd {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast{c10::autocast_dispatch_keyset};
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+};
 
 // What "mean" divides by: the kept rows, or the sum of their targets' class
 // weights (torch's weighted mean); 1 for "sum" and "none". float32 0-d.
@@ -277,22 +288,11 @@ forward_generic(const at::Tensor& input_in, const at::Tensor& linear_weight_in,
   TORCH_CHECK(!with_grad || red != Reduction::kNone, kForwardOp,
               ": with_grad needs a scalar loss (reduction \"mean\" or \"sum\"); \"none\" "
               "recomputes in linear_cross_entropy_backward");
-  // The GEMMs run in the linear's dtype as given: the callers cast for
-  // autocast; autocast itself must not recast inside. Nor does autograd
-  // record the ATen calls inside: the op is one node (the faces' Functions).
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  const at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const at::Tensor input = input_in.contiguous();
-  const at::Tensor linear_weight = linear_weight_in.contiguous();
-  const std::optional<at::Tensor> linear_bias =
-      given(linear_bias_in) ? std::optional<at::Tensor>(linear_bias_in->contiguous()) : std::nullopt;
-  const at::Tensor target = target_in.contiguous();
-  check_targets(target, linear_weight.size(0), ignore_index);
-
-  const Pass p = pass_of(input, linear_weight, linear_bias, target, weight, ignore_index,
-                         label_smoothing, chunk_rows);
-  const auto f32 = input.options().dtype(at::kFloat);
-  const int64_t n = input.size(0);
+  const BelowAutocastAndAutograd below;
+  const Pass p = pass_of(input_in, linear_weight_in, linear_bias_in, target_in, weight,
+                         ignore_index, label_smoothing, chunk_rows);
+  const auto f32 = p.input.options().dtype(at::kFloat);
+  const int64_t n = p.input.size(0);
   at::Tensor row_loss = at::empty({n}, f32);
   at::Tensor lse = at::empty({n}, f32);
   const at::Tensor denominator = denominator_of(p, red);
@@ -309,7 +309,7 @@ forward_generic(const at::Tensor& input_in, const at::Tensor& linear_weight_in,
     const at::Tensor total = row_loss.sum(0, /*keepdim=*/false, at::kDouble);
     loss = (red == Reduction::kMean ? total.div(denominator) : total).to(at::kFloat);
   }
-  auto [gi, gw, gb] = finish(grads, input.scalar_type(), input.options());
+  auto [gi, gw, gb] = finish(grads, p.input.scalar_type(), p.input.options());
   return {loss, lse, denominator, gi, gw, gb};
 }
 
@@ -337,25 +337,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_generic(
               lse.sizes());
   TORCH_CHECK(denominator.defined() && denominator.numel() == 1, kBackwardOp,
               ": denominator must be the forward's one-element output, got ", denominator.sizes());
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  const at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const at::Tensor input = input_in.contiguous();
-  const at::Tensor linear_weight = linear_weight_in.contiguous();
-  const std::optional<at::Tensor> linear_bias =
-      given(linear_bias_in) ? std::optional<at::Tensor>(linear_bias_in->contiguous()) : std::nullopt;
-  const at::Tensor target = target_in.contiguous();
-  check_targets(target, linear_weight.size(0), ignore_index);
-
-  const Pass p = pass_of(input, linear_weight, linear_bias, target, weight, ignore_index,
-                         label_smoothing, chunk_rows);
+  const BelowAutocastAndAutograd below;
+  const Pass p = pass_of(input_in, linear_weight_in, linear_bias_in, target_in, weight,
+                         ignore_index, label_smoothing, chunk_rows);
   at::Tensor scale = grad_loss.to(at::kFloat);
   scale = red == Reduction::kNone ? scale.contiguous() : scale.reshape({});
   if (red == Reduction::kMean) scale = scale.div(denominator.reshape({}).to(at::kFloat));
   Grads grads = grads_for(p, output_mask);
-  if (output_mask[0] || output_mask[1] || (output_mask[2] && given(linear_bias))) {
+  if (output_mask[0] || output_mask[1] || (output_mask[2] && given(p.linear_bias))) {
     run_chunks(p, at::Tensor(), at::Tensor(), lse.contiguous(), scale, grads);
   }
-  return finish(grads, input.scalar_type(), input.options());
+  return finish(grads, p.input.scalar_type(), p.input.options());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_meta(
