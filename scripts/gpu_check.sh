@@ -17,7 +17,8 @@
 # each fit a device call with room to spare.
 # $OUT gets 7 logs and this run's results JSON (the device tool returns 8 files):
 # gpu_build, gpu_cpp_tests, gpu_py_tests, gpu_bench (headline), gpu_bench_fp8
-# (float8 vs bf16, bench/bench_fp8.py, ~30-60 s), gpu_bench_rest, gpu_trainer.
+# (float8 vs bf16, bench/bench_fp8.py, ~30-60 s), gpu_bench_lce (linear
+# cross-entropy), gpu_bench_rest, gpu_trainer.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 WHAT=${1:-all}
@@ -197,6 +198,12 @@ run_stage "benchmarks (headline)" "$(cap_for 200 60)" "$OUTDIR/gpu_bench.log" \
 stamp "benchmarks (GPU): fp8"
 run_stage "benchmarks (fp8)" "$(cap_for 120 60)" "$OUTDIR/gpu_bench_fp8.log" \
   "$PY" bench/run.py --device cuda --results-dir "$RESULTS" --only fp8
+# Issue 38: the chunked linear + cross-entropy against eager F.linear +
+# F.cross_entropy at 16384 x 4096 -> 128256 bf16 (goals: >= 1.3x the time,
+# <= 1/10 of the memory); a few seconds of GEMMs.
+stamp "benchmarks (GPU): linear cross-entropy"
+run_stage "benchmarks (linear cross-entropy)" "$(cap_for 120 30)" "$OUTDIR/gpu_bench_lce.log" \
+  "$PY" bench/run.py --device cuda --results-dir "$RESULTS" --only linear_cross_entropy
 stamp "benchmarks (GPU): amp, optim, cross_entropy, ddp"
 run_stage "benchmarks (rest)" "$(cap_for 150 30)" "$OUTDIR/gpu_bench_rest.log" \
   "$PY" bench/run.py --device cuda --results-dir "$RESULTS" --quick \

@@ -69,11 +69,20 @@ class LinearCrossEntropyFunction
     const at::Tensor& grad_loss = grads[0];
     at::Tensor gi, gw, gb;
     if (ctx->saved_data["with_grad"].toBool()) {
+      // The gradients computed in the forward are handed over, not copied:
+      // rescaled in place and released from the context, so that the
+      // weight's gradient (as large as the weight, float32) is not held
+      // twice and AccumulateGrad can take it as p.grad without a copy. A
+      // second backward through the same graph finds them gone.
+      TORCH_CHECK(!ctx->saved_data["grad_input"].isNone(), kName,
+                  ": a second backward through the same graph (retain_graph=True) needs "
+                  "LinearCrossEntropyOptions::gradients_in_forward = false: the gradients "
+                  "computed in the forward were handed to the first backward");
       // needs_input_grad is false for an absent bias (not an input variable).
       const auto scaled = [&](const char* key, int i) {
-        return ctx->needs_input_grad(i)
-                   ? ctx->saved_data[key].toTensor().mul(grad_loss.reshape({}))
-                   : at::Tensor();
+        at::Tensor g = ctx->saved_data[key].toTensor();
+        ctx->saved_data[key] = c10::IValue();
+        return ctx->needs_input_grad(i) ? g.mul_(grad_loss.reshape({})) : at::Tensor();
       };
       gi = scaled("grad_input", 0);
       gw = scaled("grad_weight", 1);

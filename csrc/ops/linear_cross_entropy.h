@@ -51,8 +51,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
 
 /// out += mat1 @ mat2 with `out` float32 and mat1, mat2 of one dtype
 /// (float32, float16 or bfloat16), accumulated in fp32: on CUDA one cuBLAS
-/// GEMM with beta = 1 into `out` (addmm with out_dtype float32); elsewhere a
-/// 16-bit GEMM (fp32 accumulation inside) added into `out`.
+/// GEMM with beta = 1 into `out` (addmm with out_dtype float32); elsewhere
+/// 16-bit GEMMs over cache-sized blocks of out's rows (fp32 accumulation
+/// inside each, the block's product rounded to 16 bits once), each added
+/// into `out`.
 void mm_accumulate_(at::Tensor& out, const at::Tensor& mat1, const at::Tensor& mat2);
 
 /// Rows per chunk when the caller gives none (Note [Chunked linear

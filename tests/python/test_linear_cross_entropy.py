@@ -595,6 +595,27 @@ def test_reference_path_is_twice_differentiable():
 
 
 
+def test_retain_graph_needs_the_recomputing_backward():
+    """The eager path hands the gradients it computed in the forward to the
+    backward (rescaled in place, not copied): a second backward through the
+    same graph is an error naming the option that allows it, and with that
+    option both backwards give the same gradients (a scale of 2 on the
+    second: the accumulated sum)."""
+    x, w, b, t, _ = make_case(20, 8, 11, torch.float32)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = FF.linear_cross_entropy(xs, ws, t, linear_bias=b)
+    loss.backward(retain_graph=True)
+    first = ws.grad.clone()
+    with pytest.raises(RuntimeError, match="retain_graph=True.*gradients_in_forward = false"):
+        loss.backward()
+    ws.grad = None
+    loss = FF.linear_cross_entropy(xs, ws, t, linear_bias=b, options=opts(gradients_in_forward=False))
+    loss.backward(retain_graph=True)
+    torch.testing.assert_close(ws.grad, first, rtol=1e-6, atol=1e-7)
+    loss.backward(torch.tensor(0.5))
+    torch.testing.assert_close(ws.grad, first * 1.5, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("gradients_in_forward", [True, False], ids=["grads_in_forward", "grads_in_backward"])
 @pytest.mark.parametrize("path", ["cpp_function", "python_function"])
 def test_double_backward_raises_a_clear_error(path, gradients_in_forward):
