@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import fusetrain
-from common import Context, copy_variant, gbps, interleave, median, result, spread
+from common import Context, copy_variant, cuda_peak_extra_mib, gbps, interleave, median, result, spread
 
 NAME = "cross_entropy"
 
@@ -64,17 +64,6 @@ def clear_grad(x):
     return clear
 
 
-def peak_extra_mib(ctx: Context, fn) -> float:
-    """Peak CUDA memory one call allocates beyond what was live before it."""
-    torch.cuda.synchronize(ctx.device)
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated(ctx.device)
-    torch.cuda.reset_peak_memory_stats(ctx.device)
-    fn()
-    torch.cuda.synchronize(ctx.device)
-    return (torch.cuda.max_memory_allocated(ctx.device) - base) / MIB
-
-
 def bench_forward_backward(ctx: Context, dtype: torch.dtype = DTYPE) -> dict:
     n = ROWS[ctx.device.type]
     x, t = make_inputs(ctx, n, dtype)
@@ -103,7 +92,7 @@ def bench_forward_backward(ctx: Context, dtype: torch.dtype = DTYPE) -> dict:
     )
     extra = {}
     if ctx.is_cuda:
-        mem = {k: peak_extra_mib(ctx, fns[k]) for k in ("ours", "torch")}
+        mem = {k: cuda_peak_extra_mib(ctx, fns[k]) for k in ("ours", "torch")}
         logits_mib = logits_bytes / MIB
         notes += (
             f"; peak memory beyond inputs: ours {mem['ours']:.0f} MiB, torch {mem['torch']:.0f} MiB "

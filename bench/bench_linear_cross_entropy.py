@@ -60,7 +60,7 @@ import torch.nn.functional as F
 
 import fusetrain
 from fusetrain.nn.functional import LinearCrossEntropyOptions, _lce_chunk_rows
-from common import Context, interleave, median, result, spread
+from common import Context, cuda_peak_extra_mib, interleave, median, result, spread
 
 NAME = "linear_cross_entropy"
 
@@ -218,14 +218,7 @@ def peak_cpu(ctx: Context, variant: str, n: int, h: int, c: int, dname: str):
 def peak_cuda(ctx: Context, setup, fn) -> float:
     """Peak CUDA memory one call allocates beyond what was live before it."""
     setup()
-    torch.cuda.synchronize(ctx.device)
-    gc.collect()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated(ctx.device)
-    torch.cuda.reset_peak_memory_stats(ctx.device)
-    fn()
-    torch.cuda.synchronize(ctx.device)
-    return (torch.cuda.max_memory_allocated(ctx.device) - base) / MIB
+    return cuda_peak_extra_mib(ctx, fn)
 
 
 # ------------------------------------------------------------------- rows

@@ -87,6 +87,19 @@ def inplace_variant(ctx: Context, numel: int, dtype: torch.dtype):
 # ------------------------------------------------------------------ timing
 
 
+def cuda_peak_extra_mib(ctx: "Context", fn) -> float:
+    """Peak CUDA memory (MiB) one call of fn allocates beyond what was live
+    before it (garbage collected and the cache emptied first)."""
+    torch.cuda.synchronize(ctx.device)
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(ctx.device)
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    fn()
+    torch.cuda.synchronize(ctx.device)
+    return (torch.cuda.max_memory_allocated(ctx.device) - base) / (1 << 20)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

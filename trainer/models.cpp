@@ -420,23 +420,14 @@ class GptImpl : public ModelImpl {
     }
   }
 
-  at::Tensor forward(const at::Tensor& idx) override {
-    const int64_t t = idx.size(1);
-    TORCH_CHECK(t <= seq_len_, "gpt: sequence of ", t, " tokens is longer than model.seq_len=",
-                seq_len_);
-    return apply_head(features(tok_emb_(idx) + pos_emb_.narrow(0, 0, t)));
-  }
+  at::Tensor forward(const at::Tensor& idx) override { return apply_head(features(embed(idx))); }
 
   using ModelImpl::forward;
   // model.fused_head_loss: the head and the loss as one chunked op.
   at::Tensor forward(const at::Tensor& idx, const at::Tensor& targets,
                      double label_smoothing) override {
     if (!fused_head_loss_) return ModelImpl::forward(idx, targets, label_smoothing);
-    const int64_t t = idx.size(1);
-    TORCH_CHECK(t <= seq_len_, "gpt: sequence of ", t, " tokens is longer than model.seq_len=",
-                seq_len_);
-    return head_loss(features(tok_emb_(idx) + pos_emb_.narrow(0, 0, t)), targets,
-                     label_smoothing);
+    return head_loss(features(embed(idx)), targets, label_smoothing);
   }
 
   // The positions' rows gathered by index rather than narrowed to the
@@ -448,6 +439,14 @@ class GptImpl : public ModelImpl {
   }
 
  private:
+  // The tokens' and their positions' embeddings.
+  at::Tensor embed(const at::Tensor& idx) {
+    const int64_t t = idx.size(1);
+    TORCH_CHECK(t <= seq_len_, "gpt: sequence of ", t, " tokens is longer than model.seq_len=",
+                seq_len_);
+    return tok_emb_(idx) + pos_emb_.narrow(0, 0, t);
+  }
+
   // The head's input: the blocks and the final layer norm.
   at::Tensor features(at::Tensor x) {
     for (const auto& block : *blocks_) x = block->as<GptBlockImpl>()->forward(x);

@@ -160,9 +160,9 @@ at::Tensor linear_cross_entropy(const at::Tensor& input, const at::Tensor& linea
     if (b.defined()) b = b.to(dtype);
   }
   const at::ScalarType out_dtype = autocast ? at::kFloat : x.scalar_type();
-  const int64_t in_features = linear_weight.dim() == 2 ? linear_weight.size(1) : -1;
   TORCH_CHECK(linear_weight.dim() == 2, kName, ": linear_weight must be 2-D [classes, "
               "in_features], got shape ", linear_weight.sizes());
+  const int64_t in_features = linear_weight.size(1);
   TORCH_CHECK(input.size(-1) == in_features, kName, ": input has ", input.size(-1),
               " features (shape ", input.sizes(), ") but linear_weight has shape ",
               linear_weight.sizes());
