@@ -203,13 +203,16 @@ __global__ void __launch_bounds__(RowGroup<kRowThreads>::kBlock)
       ls == 0.0 ? nll : (1.0 - ls) * nll + ls * (row_lse - static_cast<double>(st.sum) / c));
 }
 
+// `grad` may be `logits` itself (row_stride == c): each thread reads each of
+// its elements once, before writing that element's gradient, so neither
+// pointer is __restrict__.
 template <typename T, int kRowThreads>
 __global__ void __launch_bounds__(RowGroup<kRowThreads>::kBlock)
-    backward_kernel(const T* __restrict__ logits, int64_t row_stride,
+    backward_kernel(const T* logits, int64_t row_stride,
                     const int64_t* __restrict__ target, const float* __restrict__ lse,
                     const float* __restrict__ grad_loss, bool per_row,
                     const float* __restrict__ kept_rows, int64_t n, int64_t c, int64_t ignore_index,
-                    float label_smoothing, T* __restrict__ grad) {
+                    float label_smoothing, T* grad) {
   using G = RowGroup<kRowThreads>;
   using P = Pack<T>;
   const int64_t row =

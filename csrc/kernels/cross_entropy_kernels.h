@@ -49,7 +49,8 @@ cudaError_t launch_cross_entropy_reduce(const float* row_loss, const int64_t* ta
 /// (launch_cross_entropy_reduce's kept_out), when given; else the rows are
 /// counted first into `count_scratch` (one float of device memory), one
 /// more launch. The softmax is recomputed from the logits and `lse`;
-/// nothing is read back to the host.
+/// nothing is read back to the host. `grad` may be `rows.logits` itself
+/// (with row stride c): the gradient then replaces the logits in place.
 cudaError_t launch_cross_entropy_backward(const CrossEntropyRows& rows, const float* grad_loss,
                                           bool per_row, bool mean, const float* kept_rows,
                                           float* count_scratch, const float* lse, void* grad,

@@ -15,6 +15,7 @@
 #include <fusetrain/ops/cross_entropy.h>
 #include <fusetrain/ops/generic.h>
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/Version.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -106,6 +107,27 @@ void check_cross_entropy_backward_args(const at::Tensor& grad_loss, const at::Te
   }
 }
 
+void check_cross_entropy_backward_out(const at::Tensor& logits, const at::Tensor& out) {
+  TORCH_CHECK(out.defined(), kBackwardOp, ": out is undefined");
+  TORCH_CHECK(out.sizes() == logits.sizes(), kBackwardOp, ": out must have the logits' shape ",
+              logits.sizes(), ", got ", out.sizes());
+  TORCH_CHECK(out.scalar_type() == logits.scalar_type(), kBackwardOp,
+              ": out must have the logits' dtype ", logits.scalar_type(), ", got ",
+              out.scalar_type());
+  check_same_device(out, logits, kBackwardOp, "out", "logits");
+  TORCH_CHECK(out.is_contiguous(), kBackwardOp, ": out must be contiguous, got strides ",
+              out.strides());
+  // The rows are walked in parallel: the gradient may replace the very
+  // logits it is computed from, element by element, and nothing else.
+  const at::MemOverlapStatus overlap = at::get_overlap_status(out, logits);
+  const bool distinct = overlap == at::MemOverlapStatus::No ||
+                        (overlap == at::MemOverlapStatus::TooHard &&
+                         !out.storage().is_alias_of(logits.storage()));
+  TORCH_CHECK(distinct || overlap == at::MemOverlapStatus::Full, kBackwardOp,
+              ": out overlaps the logits only in part; pass the logits themselves (contiguous) "
+              "to write the gradient in place, or memory that does not overlap them");
+}
+
 at::Tensor kept_rows_output(const at::Tensor& count, Reduction reduction) {
   if (reduction == Reduction::kNone) return at::empty({0}, count.options().dtype(at::kFloat));
   return count.to(at::kFloat).reshape({});
@@ -141,6 +163,22 @@ at::Tensor softmax_cross_entropy_backward(const at::Tensor& grad_loss, const at:
                                          const std::optional<at::Tensor>&)>();
   return op.call(grad_loss, logits, target, lse, ignore_index, label_smoothing, reduction,
                  kept_rows);
+}
+
+at::Tensor& softmax_cross_entropy_backward_out(const at::Tensor& grad_loss,
+                                               const at::Tensor& logits, const at::Tensor& target,
+                                               const at::Tensor& lse, int64_t ignore_index,
+                                               double label_smoothing,
+                                               const std::string& reduction,
+                                               const std::optional<at::Tensor>& kept_rows,
+                                               at::Tensor& out) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow(kBackwardOp, "out")
+                       .typed<at::Tensor&(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          const at::Tensor&, int64_t, double, c10::string_view,
+                                          const std::optional<at::Tensor>&, at::Tensor&)>();
+  return op.call(grad_loss, logits, target, lse, ignore_index, label_smoothing, reduction,
+                 kept_rows, out);
 }
 
 namespace {
@@ -271,9 +309,11 @@ void backward_rows(const T* x, int64_t row_stride, const int64_t* target, const 
       }
       const T* row = x + i * row_stride;
       const float scale = (per_row_grad ? grad_loss[i] : grad_loss[0]) / grad_divisor;
+      // The target's logit is read first: `out` may be the logits themselves
+      // (loops.grad reads each element before writing its gradient there).
+      const float p_t = loops.exp(static_cast<float>(row[t]) - lse[i]);
       loops.grad(row, c, lse[i], scale, smooth, g);
       // The target's entry again, with its one-hot term and the same exp.
-      const float p_t = loops.exp(static_cast<float>(row[t]) - lse[i]);
       g[t] = static_cast<T>((p_t - smooth - (1.f - ls)) * scale);
     }
   });
@@ -404,18 +444,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cpu(const at::Tensor& log
   return {at::full({}, total, f32), lse, at::full({}, kept, f32)};
 }
 
-at::Tensor backward_cpu(const at::Tensor& grad_loss_in, const at::Tensor& logits_in,
-                        const at::Tensor& target_in, const at::Tensor& lse_in, int64_t ignore_index,
-                        double label_smoothing, c10::string_view reduction_view,
-                        const std::optional<at::Tensor>& kept_rows) {
-  if (cpu_path() == CpuPath::kGeneric)
-    return generic::softmax_cross_entropy_backward(grad_loss_in, logits_in, target_in, lse_in,
-                                                   ignore_index, label_smoothing, reduction_view,
-                                                   kept_rows);
-  const std::string reduction(reduction_view);
-  check_cross_entropy_backward_args(grad_loss_in, logits_in, target_in, lse_in, label_smoothing,
-                                    reduction, kept_rows);
-  const Reduction red = parse_reduction(reduction, kBackwardOp);
+// The backward's rows into `grad` (contiguous [N, C]; the logits themselves
+// or memory apart from them), after the arguments were checked.
+void backward_rows_into(const at::Tensor& grad_loss_in, const at::Tensor& logits_in,
+                        const at::Tensor& target_in, const at::Tensor& lse_in,
+                        int64_t ignore_index, double label_smoothing, Reduction red,
+                        const std::optional<at::Tensor>& kept_rows, at::Tensor& grad) {
   const at::Tensor logits = with_contiguous_rows(logits_in);
   const at::Tensor target = target_in.contiguous();
   const at::Tensor lse = lse_in.contiguous();
@@ -424,9 +458,7 @@ at::Tensor backward_cpu(const at::Tensor& grad_loss_in, const at::Tensor& logits
   const int64_t c = logits.size(1);
   const int64_t* t = target.const_data_ptr<int64_t>();
   check_targets_cpu(t, n, c, ignore_index, kBackwardOp);
-
-  at::Tensor grad = GradientBlocks::get().empty({n, c}, logits.options());
-  if (n == 0 || c == 0) return grad;
+  if (n == 0 || c == 0) return;
   // With no kept rows every row is zeroed and the divisor is never used.
   float divisor = 1.f;
   if (red == Reduction::kMean) {
@@ -438,6 +470,8 @@ at::Tensor backward_cpu(const at::Tensor& grad_loss_in, const at::Tensor& logits
   const int64_t stride = logits.stride(0);
   const float* g = grad_loss.const_data_ptr<float>();
   const float* l = lse.const_data_ptr<float>();
+  // const_data_ptr, not data_ptr: `grad` may be the logits (the same storage
+  // read through one pointer and written through the other, row by row).
   switch (logits.scalar_type()) {
     case at::kFloat:
       backward_rows(logits.const_data_ptr<float>(), stride, t, l, g, per_row, divisor, n, c,
@@ -454,7 +488,39 @@ at::Tensor backward_cpu(const at::Tensor& grad_loss_in, const at::Tensor& logits
     default:
       TORCH_CHECK(false, kBackwardOp, ": unsupported dtype ", logits.scalar_type());
   }
+}
+
+at::Tensor backward_cpu(const at::Tensor& grad_loss, const at::Tensor& logits,
+                        const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index,
+                        double label_smoothing, c10::string_view reduction_view,
+                        const std::optional<at::Tensor>& kept_rows) {
+  if (cpu_path() == CpuPath::kGeneric)
+    return generic::softmax_cross_entropy_backward(grad_loss, logits, target, lse, ignore_index,
+                                                   label_smoothing, reduction_view, kept_rows);
+  const std::string reduction(reduction_view);
+  check_cross_entropy_backward_args(grad_loss, logits, target, lse, label_smoothing, reduction,
+                                    kept_rows);
+  at::Tensor grad = GradientBlocks::get().empty({logits.size(0), logits.size(1)}, logits.options());
+  backward_rows_into(grad_loss, logits, target, lse, ignore_index, label_smoothing,
+                     parse_reduction(reduction, kBackwardOp), kept_rows, grad);
   return grad;
+}
+
+at::Tensor& backward_out_cpu(const at::Tensor& grad_loss, const at::Tensor& logits,
+                             const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index,
+                             double label_smoothing, c10::string_view reduction_view,
+                             const std::optional<at::Tensor>& kept_rows, at::Tensor& out) {
+  if (cpu_path() == CpuPath::kGeneric)
+    return generic::softmax_cross_entropy_backward_out(grad_loss, logits, target, lse,
+                                                       ignore_index, label_smoothing,
+                                                       reduction_view, kept_rows, out);
+  const std::string reduction(reduction_view);
+  check_cross_entropy_backward_args(grad_loss, logits, target, lse, label_smoothing, reduction,
+                                    kept_rows);
+  check_cross_entropy_backward_out(logits, out);
+  backward_rows_into(grad_loss, logits, target, lse, ignore_index, label_smoothing,
+                     parse_reduction(reduction, kBackwardOp), kept_rows, out);
+  return out;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_meta(const at::Tensor& logits,
@@ -481,16 +547,30 @@ at::Tensor backward_meta(const at::Tensor& grad_loss, const at::Tensor& logits,
   return at::empty({logits.size(0), logits.size(1)}, logits.options());
 }
 
+at::Tensor& backward_out_meta(const at::Tensor& grad_loss, const at::Tensor& logits,
+                              const at::Tensor& target, const at::Tensor& lse,
+                              int64_t ignore_index, double label_smoothing,
+                              c10::string_view reduction_view,
+                              const std::optional<at::Tensor>& kept_rows, at::Tensor& out) {
+  const std::string reduction(reduction_view);
+  check_cross_entropy_backward_args(grad_loss, logits, target, lse, label_smoothing, reduction,
+                                    kept_rows);
+  check_cross_entropy_backward_out(logits, out);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fusetrain, CPU, m) {
   m.impl("softmax_cross_entropy_forward", &forward_cpu);
   m.impl("softmax_cross_entropy_backward", &backward_cpu);
+  m.impl("softmax_cross_entropy_backward.out", &backward_out_cpu);
 }
 
 TORCH_LIBRARY_IMPL(fusetrain, Meta, m) {
   m.impl("softmax_cross_entropy_forward", &forward_meta);
   m.impl("softmax_cross_entropy_backward", &backward_meta);
+  m.impl("softmax_cross_entropy_backward.out", &backward_out_meta);
 }
 
 }  // namespace fusetrain::ops

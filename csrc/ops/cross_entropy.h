@@ -50,6 +50,18 @@ at::Tensor softmax_cross_entropy_backward(const at::Tensor& grad_loss, const at:
                                           const std::string& reduction,
                                           const std::optional<at::Tensor>& kept_rows = {});
 
+/// softmax_cross_entropy_backward into `out`: [N, C] in the logits' dtype, on
+/// their device, contiguous. `out` may be `logits` itself, whose elements are
+/// then each read before their gradient replaces them (no [N, C] buffer
+/// besides the logits); any other overlap with the logits is an error.
+at::Tensor& softmax_cross_entropy_backward_out(const at::Tensor& grad_loss,
+                                               const at::Tensor& logits, const at::Tensor& target,
+                                               const at::Tensor& lse, int64_t ignore_index,
+                                               double label_smoothing,
+                                               const std::string& reduction,
+                                               const std::optional<at::Tensor>& kept_rows,
+                                               at::Tensor& out);
+
 /// Validates the forward's arguments (shared by the CPU, CUDA and Meta kernels).
 void check_cross_entropy_forward_args(const at::Tensor& logits, const at::Tensor& target,
                                       double label_smoothing, const std::string& reduction);
@@ -63,6 +75,10 @@ void check_cross_entropy_backward_args(const at::Tensor& grad_loss, const at::Te
                                        const at::Tensor& target, const at::Tensor& lse,
                                        double label_smoothing, const std::string& reduction,
                                        const std::optional<at::Tensor>& kept_rows);
+
+/// Validates the backward's `out` (shape, dtype, device, layout, and overlap
+/// with the logits: none, or the very same elements).
+void check_cross_entropy_backward_out(const at::Tensor& logits, const at::Tensor& out);
 
 /// The forward's kept_rows output for `reduction`: `count` as a float32 0-d
 /// tensor, or an empty one for "none".

@@ -326,6 +326,17 @@ at::Tensor softmax_cross_entropy_backward(const at::Tensor& grad_loss, const at:
   return grad.to(logits.scalar_type());
 }
 
+at::Tensor& softmax_cross_entropy_backward_out(const at::Tensor& grad_loss,
+                                               const at::Tensor& logits, const at::Tensor& target,
+                                               const at::Tensor& lse, int64_t ignore_index,
+                                               double label_smoothing, c10::string_view reduction,
+                                               const std::optional<at::Tensor>& kept_rows,
+                                               at::Tensor& out) {
+  check_cross_entropy_backward_out(logits, out);
+  return out.copy_(softmax_cross_entropy_backward(grad_loss, logits, target, lse, ignore_index,
+                                                  label_smoothing, reduction, kept_rows));
+}
+
 namespace {
 
 // The dimensions batch norm reduces over (all but 1) and the shape that
@@ -470,6 +481,7 @@ TORCH_LIBRARY_IMPL(fusetrain, CompositeExplicitAutograd, m) {
   m.impl("multi_tensor_l2norm", &g::multi_tensor_l2norm);
   m.impl("softmax_cross_entropy_forward", &g::softmax_cross_entropy_forward);
   m.impl("softmax_cross_entropy_backward", &g::softmax_cross_entropy_backward);
+  m.impl("softmax_cross_entropy_backward.out", &g::softmax_cross_entropy_backward_out);
   m.impl("max_pool2d", &g::max_pool2d);
   m.impl("max_pool2d_backward", &g::max_pool2d_backward);
   m.impl("batch_norm_relu", &g::batch_norm_relu);

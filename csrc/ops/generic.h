@@ -82,6 +82,15 @@ at::Tensor softmax_cross_entropy_backward(const at::Tensor& grad_loss, const at:
                                           c10::string_view reduction,
                                           const std::optional<at::Tensor>& kept_rows);
 
+// The gradient computed out of place, then copied into `out` (which may be
+// the logits).
+at::Tensor& softmax_cross_entropy_backward_out(const at::Tensor& grad_loss,
+                                               const at::Tensor& logits, const at::Tensor& target,
+                                               const at::Tensor& lse, int64_t ignore_index,
+                                               double label_smoothing, c10::string_view reduction,
+                                               const std::optional<at::Tensor>& kept_rows,
+                                               at::Tensor& out);
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_relu(
     const at::Tensor& input, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,

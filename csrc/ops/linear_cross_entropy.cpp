@@ -10,7 +10,8 @@
 //   forward, per chunk of rows r:  z_r = x_r W^T + b         (one GEMM)
 //                                  loss_r, lse_r = CE(z_r)    (fp32)
 //   and, when the gradients are wanted in the same pass (`with_grad`),
-//                                  g_r = dloss/dz_r           (the CE backward)
+//                                  g_r = dloss/dz_r           (the CE backward,
+//                                                              over z_r in place)
 //                                  dx_r = g_r W               (a GEMM: complete)
 //                                  dW += g_r^T x_r, db += sum g_r (fp32)
 // Computing the gradients in the forward costs three GEMMs a chunk against
@@ -139,7 +140,8 @@ struct Grads {
 
 // Weighted softmax cross-entropy of one chunk in fp32 (torch's formula, Note
 // [Chunked linear cross-entropy]): the row losses (when row_loss is given)
-// and, when `scale` is defined, the logits' gradient in `dtype`.
+// and, when `scale` is defined, the logits' gradient in `dtype`, computed
+// over `z` in place when it is float32 (z is the chunk's own temporary).
 at::Tensor weighted_chunk(const at::Tensor& z, const at::Tensor& t, const at::Tensor& w,
                           int64_t ignore_index, double ls, const at::Tensor& row_loss,
                           const at::Tensor& lse_out, const at::Tensor& lse_in,
@@ -162,7 +164,9 @@ at::Tensor weighted_chunk(const at::Tensor& z, const at::Tensor& t, const at::Te
     if (lse_out.defined()) lse_out.copy_(lse);
   }
   if (!scale.defined()) return {};
-  at::Tensor grad = zf.sub(lse.unsqueeze(1)).exp_();
+  // In place over the fp32 logits (the chunk's own, or their fp32 copy): the
+  // loss above was their last other use.
+  at::Tensor grad = zf.sub_(lse.unsqueeze(1)).exp_();
   grad.mul_(wt.mul(1.0 - ls).add(keptf.mul(w.sum()).mul(smooth)).unsqueeze(1));
   if (ls != 0.0) grad.sub_(keptf.unsqueeze(1).mul(w.unsqueeze(0)).mul(smooth));
   grad.scatter_add_(1, tc, wt.mul(-(1.0 - ls)).unsqueeze(1));
@@ -184,7 +188,7 @@ void run_chunks(const Pass& p, const at::Tensor& row_loss, const at::Tensor& lse
     const int64_t r = std::min(p.chunk_rows, n - r0);
     const at::Tensor x = p.input.narrow(0, r0, r);
     const at::Tensor t = p.target.narrow(0, r0, r);
-    const at::Tensor z =
+    at::Tensor z =
         given(p.linear_bias) ? at::addmm(*p.linear_bias, x, weight_t) : at::mm(x, weight_t);
     const at::Tensor chunk_loss = row_loss.defined() ? row_loss.narrow(0, r0, r) : at::Tensor();
     const at::Tensor chunk_lse_out = lse_out.defined() ? lse_out.narrow(0, r0, r) : at::Tensor();
@@ -205,8 +209,11 @@ void run_chunks(const Pass& p, const at::Tensor& row_loss, const at::Tensor& lse
         lse = chunk_lse;
       }
       if (chunk_scale.defined()) {
-        g = softmax_cross_entropy_backward(chunk_scale, z, t, lse, p.ignore_index,
-                                           p.label_smoothing, per_row_scale ? "none" : "sum");
+        // The logits' gradient replaces the logits: one chunk of [rows,
+        // classes] memory in all.
+        g = softmax_cross_entropy_backward_out(chunk_scale, z, t, lse, p.ignore_index,
+                                               p.label_smoothing, per_row_scale ? "none" : "sum",
+                                               std::nullopt, z);
       }
     }
     if (!g.defined()) continue;

@@ -56,6 +56,13 @@ TORCH_LIBRARY(fusetrain, m) {
       "softmax_cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, "
       "Tensor lse, int ignore_index, float label_smoothing, str reduction, "
       "Tensor? kept_rows=None) -> Tensor");
+  // The same into `out` ([N, C], the logits' dtype), which may be the logits
+  // themselves: each element is read before its gradient overwrites it (the
+  // chunked linear cross-entropy's logits become their gradient in place).
+  m.def(
+      "softmax_cross_entropy_backward.out(Tensor grad_loss, Tensor logits, Tensor target, "
+      "Tensor lse, int ignore_index, float label_smoothing, str reduction, "
+      "Tensor? kept_rows=None, *, Tensor(a!) out) -> Tensor(a!)");
 
   // Chunked linear + cross-entropy (Note [Chunked linear cross-entropy] in
   // csrc/ops/linear_cross_entropy.cpp): the loss of cross_entropy(input @

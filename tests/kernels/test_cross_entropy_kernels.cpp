@@ -261,6 +261,42 @@ TEST_CASE("cross-entropy kernels do nothing for an empty batch", "[kernels][cros
   CHECK(cuda_emu::counts().launches == launches);
 }
 
+// The chunked linear cross-entropy hands the kernel its logits as the
+// gradient's memory too: each element must be read before it is overwritten,
+// in every path of a row (the elements before the first 16-byte boundary,
+// the packs, the tail) and at every row width.
+TEST_CASE("the cross-entropy backward can write its gradient over the logits",
+          "[kernels][cross_entropy]") {
+  const auto dtype = GENERATE(at::kFloat, at::kHalf, at::kBFloat16);
+  const int64_t c = GENERATE(37, 1000, 3001, 5003);
+  const int64_t offset = GENERATE(0, 3);  // rows starting on and off a 16-byte boundary
+  const bool per_row = GENERATE(false, true);
+  CAPTURE(dtype, c, offset, per_row);
+  const int64_t n = 7;
+  const int64_t ignore_index = -100;
+  const float ls = 0.1f;
+  const Logits logits = make_logits(n, c, dtype, Layout{"in place", offset, 0, offset});
+  const at::Tensor target = make_targets(n, c, ignore_index);
+  at::Tensor lse = at::empty({n});
+  at::Tensor row_loss = at::empty({n});
+  REQUIRE_LAUNCH(launch_cross_entropy_forward(rows_of(logits, target, ignore_index, ls),
+                                              row_loss.data_ptr<float>(), lse.data_ptr<float>(),
+                                              nullptr));
+  const at::Tensor grad_loss = per_row ? at::randn({n}) : at::full({1}, 0.5f);
+  at::Tensor apart = at::full({n, c}, 7.0, dtype);
+  REQUIRE_LAUNCH(launch_cross_entropy_backward(rows_of(logits, target, ignore_index, ls),
+                                               grad_loss.data_ptr<float>(), per_row, false,
+                                               nullptr, nullptr, lse.data_ptr<float>(),
+                                               apart.data_ptr(), nullptr));
+  const at::Tensor padding = logits.storage.narrow(0, 0, offset).clone();
+  REQUIRE_LAUNCH(launch_cross_entropy_backward(rows_of(logits, target, ignore_index, ls),
+                                               grad_loss.data_ptr<float>(), per_row, false,
+                                               nullptr, nullptr, lse.data_ptr<float>(),
+                                               logits.view.data_ptr(), nullptr));
+  CHECK(kernel_test::bits_equal(logits.view, apart));
+  CHECK(at::equal(logits.storage.narrow(0, 0, offset), padding));
+}
+
 TEST_CASE("a target out of range is a sticky device assert naming the kernel",
           "[kernels][cross_entropy]") {
   const int64_t n = 6;

@@ -348,6 +348,56 @@ def test_meta_shapes():
         assert g.shape == (7, 11) and g.dtype == torch.bfloat16 and g.device.type == "meta"
 
 
+def same_bits(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("shape", [(33, 1000), (3, 32771)])
+def test_backward_out_may_write_over_the_logits(dtype, reduction, shape):
+    """The .out overload gives the functional backward's bits into memory of
+    its own or over the logits themselves (what the chunked linear
+    cross-entropy does): each element is read before its gradient replaces
+    it, the target's logit included."""
+    x, t = make_case(*shape, dtype, "some_ignored")
+    fwd = torch.ops.fusetrain.softmax_cross_entropy_forward
+    bwd = torch.ops.fusetrain.softmax_cross_entropy_backward
+    loss, lse, kept = fwd(x, t, IGNORE_INDEX, 0.1, reduction)
+    g = upstream(loss)
+    want = bwd(g, x, t, lse, IGNORE_INDEX, 0.1, reduction, kept)
+    apart = torch.full_like(x, 7.0)
+    assert bwd.out(g, x, t, lse, IGNORE_INDEX, 0.1, reduction, kept, out=apart) is apart
+    assert same_bits(apart, want)
+    logits = x.clone()
+    assert bwd.out(g, logits, t, lse, IGNORE_INDEX, 0.1, reduction, kept, out=logits) is logits
+    assert same_bits(logits, want)
+
+
+def test_backward_out_checks_its_memory():
+    x, t = make_case(6, 10, torch.float32, "no_ignored")
+    bwd = torch.ops.fusetrain.softmax_cross_entropy_backward
+    _, lse, kept = torch.ops.fusetrain.softmax_cross_entropy_forward(x, t, IGNORE_INDEX, 0.0, "mean")
+    g = torch.tensor(1.0)
+    # Rows shifted by one against the logits: row i's gradient would land on
+    # row i + 1's logits before they are read.
+    buf = torch.randn(7 * 10)
+    logits, shifted = buf[:60].view(6, 10), buf[10:].view(6, 10)
+    with pytest.raises(RuntimeError, match="overlaps the logits only in part"):
+        bwd.out(g, logits, t, lse, IGNORE_INDEX, 0.0, "mean", kept, out=shifted)
+    with pytest.raises(RuntimeError, match=r"out must have the logits' shape \[6, 10\], got \[6, 9\]"):
+        bwd.out(g, x, t, lse, IGNORE_INDEX, 0.0, "mean", kept, out=torch.empty(6, 9))
+    with pytest.raises(RuntimeError, match="out must have the logits' dtype Float, got BFloat16"):
+        bwd.out(g, x, t, lse, IGNORE_INDEX, 0.0, "mean", kept, out=torch.empty(6, 10, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="out must be contiguous"):
+        bwd.out(g, x, t, lse, IGNORE_INDEX, 0.0, "mean", kept, out=torch.empty(10, 6).t())
+    meta = x.to("meta")
+    out = torch.empty_like(meta)
+    assert bwd.out(g.to("meta"), meta, t.to("meta"), lse.to("meta"), IGNORE_INDEX, 0.0, "mean", out=out) is out
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_eager_backward_runs_in_cpp(reduction):
     """Eager calls go through the C++ autograd Function (issue 14's per-call
@@ -437,6 +487,15 @@ def test_lower_cpu_path_matches_the_default_path(tmp_path, path):
                 for ls in (0.0, 0.1):
                     x, t = make_case(n, c, dtype, "some_ignored")
                     out[(str(dtype), n, c, ls)] = loss_and_grad(FF.softmax_cross_entropy, x, t, "none", label_smoothing=ls)
+                    # This path's row loops over the logits in place: the
+                    # bits they give into memory of their own.
+                    ops = torch.ops.fusetrain
+                    _, lse, _ = ops.softmax_cross_entropy_forward(x, t, -100, ls, "sum")
+                    g = torch.tensor(0.5)
+                    want = ops.softmax_cross_entropy_backward(g, x, t, lse, -100, ls, "sum")
+                    y = x.clone()
+                    ops.softmax_cross_entropy_backward.out(g, y, t, lse, -100, ls, "sum", out=y)
+                    assert torch.equal(y, want), (dtype, n, c, ls)
         torch.save(out, sys.argv[1])
         """
     )
@@ -514,6 +573,24 @@ def test_cuda_misaligned_and_strided_rows():
         gpu = loss_and_grad(FF.softmax_cross_entropy, x.cuda(), t.cuda(), "none", label_smoothing=0.1)
         torch.testing.assert_close(gpu[0].cpu(), cpu[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(gpu[1].cpu().float(), cpu[1].float(), rtol=0.016, atol=1e-3 * cpu[1].abs().max().item())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,c", [(13, 7), (64, 1025), (9, 4097), (6, 32771)])
+def test_cuda_backward_out_over_the_logits(dtype, n, c):
+    """The CUDA kernel's gradient over the logits themselves (the chunked
+    linear cross-entropy's use): the bits it writes into memory of its own."""
+    x, t = make_case(n, c, dtype, "some_ignored", seed=9)
+    xc, tc = x.cuda(), t.cuda()
+    ops = torch.ops.fusetrain
+    for reduction in REDUCTIONS:
+        loss, lse, kept = ops.softmax_cross_entropy_forward(xc, tc, IGNORE_INDEX, 0.1, reduction)
+        g = upstream(loss)
+        want = ops.softmax_cross_entropy_backward(g, xc, tc, lse, IGNORE_INDEX, 0.1, reduction, kept)
+        y = xc.clone()
+        assert ops.softmax_cross_entropy_backward.out(g, y, tc, lse, IGNORE_INDEX, 0.1, reduction, kept, out=y) is y
+        assert same_bits(y.cpu(), want.cpu()), reduction
 
 
 @pytest.mark.cuda

@@ -407,6 +407,20 @@ def test_cross_entropy_matches_the_kernel(dtype, ls, reduction, ignore):
         assert torch.all(grad[t == -100] == 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_backward_out_over_the_logits(dtype):
+    """The generic .out overload: the functional result's bits, into the
+    logits themselves too."""
+    x, t = ce_inputs(9, 50, dtype, True, torch.Generator().manual_seed(3))
+    _, lse, kept = kernel("softmax_cross_entropy_forward")(x, t, -100, 0.1, "mean")
+    want = generic("softmax_cross_entropy_backward")(torch.tensor(0.5), x, t, lse, -100, 0.1, "mean", kept)
+    op = torch.ops.fusetrain.softmax_cross_entropy_backward.out
+    logits = x.clone()
+    got = op._op_dk(DispatchKey.CompositeExplicitAutograd, torch.tensor(0.5), logits, t, lse, -100, 0.1, "mean", kept,
+                    out=logits)
+    assert got is logits and same_bits(logits, want)
+
+
 def test_cross_entropy_every_row_ignored_and_bad_targets():
     x = torch.randn(4, 5)
     t = torch.full((4,), -100)

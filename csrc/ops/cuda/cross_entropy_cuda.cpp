@@ -62,15 +62,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_cuda(const at::Tensor& lo
   return {loss, lse, kept_rows};
 }
 
-at::Tensor backward_cuda(const at::Tensor& grad_loss_in, const at::Tensor& logits_in,
-                         const at::Tensor& target_in, const at::Tensor& lse_in,
-                         int64_t ignore_index, double label_smoothing,
-                         c10::string_view reduction_view,
-                         const std::optional<at::Tensor>& kept_rows_in) {
-  const std::string reduction(reduction_view);
-  check_cross_entropy_backward_args(grad_loss_in, logits_in, target_in, lse_in, label_smoothing,
-                                    reduction, kept_rows_in);
-  const Reduction red = parse_reduction(reduction, kBackwardOp);
+// The backward into `grad` (contiguous [N, C]: the logits themselves or
+// memory apart from them), after the arguments were checked.
+void backward_into(const at::Tensor& grad_loss_in, const at::Tensor& logits_in,
+                   const at::Tensor& target_in, const at::Tensor& lse_in, int64_t ignore_index,
+                   double label_smoothing, Reduction red,
+                   const std::optional<at::Tensor>& kept_rows_in, at::Tensor& grad) {
   const c10::cuda::CUDAGuard guard(logits_in.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const at::Tensor logits = with_contiguous_rows(logits_in);
@@ -79,8 +76,6 @@ at::Tensor backward_cuda(const at::Tensor& grad_loss_in, const at::Tensor& logit
   // An expanded gradient (loss.sum().backward() on reduction "none") has
   // stride 0; the kernel indexes it densely.
   const at::Tensor grad_loss = grad_loss_in.contiguous();
-
-  at::Tensor grad = at::empty({logits.size(0), logits.size(1)}, logits.options());
   // "mean" divides by the forward's kept-row count when the caller passes
   // it; else the rows are counted again, into one float of device scratch.
   const bool mean = red == Reduction::kMean;
@@ -94,7 +89,33 @@ at::Tensor backward_cuda(const at::Tensor& grad_loss_in, const at::Tensor& logit
       have_count ? kept_rows.const_data_ptr<float>() : nullptr,
       scratch.defined() ? scratch.data_ptr<float>() : nullptr, lse.const_data_ptr<float>(),
       grad.data_ptr(), stream));
+}
+
+at::Tensor backward_cuda(const at::Tensor& grad_loss, const at::Tensor& logits,
+                         const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index,
+                         double label_smoothing, c10::string_view reduction_view,
+                         const std::optional<at::Tensor>& kept_rows) {
+  const std::string reduction(reduction_view);
+  check_cross_entropy_backward_args(grad_loss, logits, target, lse, label_smoothing, reduction,
+                                    kept_rows);
+  at::Tensor grad = at::empty({logits.size(0), logits.size(1)}, logits.options());
+  backward_into(grad_loss, logits, target, lse, ignore_index, label_smoothing,
+                parse_reduction(reduction, kBackwardOp), kept_rows, grad);
   return grad;
+}
+
+at::Tensor& backward_out_cuda(const at::Tensor& grad_loss, const at::Tensor& logits,
+                              const at::Tensor& target, const at::Tensor& lse,
+                              int64_t ignore_index, double label_smoothing,
+                              c10::string_view reduction_view,
+                              const std::optional<at::Tensor>& kept_rows, at::Tensor& out) {
+  const std::string reduction(reduction_view);
+  check_cross_entropy_backward_args(grad_loss, logits, target, lse, label_smoothing, reduction,
+                                    kept_rows);
+  check_cross_entropy_backward_out(logits, out);
+  backward_into(grad_loss, logits, target, lse, ignore_index, label_smoothing,
+                parse_reduction(reduction, kBackwardOp), kept_rows, out);
+  return out;
 }
 
 }  // namespace
@@ -102,6 +123,7 @@ at::Tensor backward_cuda(const at::Tensor& grad_loss_in, const at::Tensor& logit
 TORCH_LIBRARY_IMPL(fusetrain, CUDA, m) {
   m.impl("softmax_cross_entropy_forward", &forward_cuda);
   m.impl("softmax_cross_entropy_backward", &backward_cuda);
+  m.impl("softmax_cross_entropy_backward.out", &backward_out_cuda);
 }
 
 }  // namespace fusetrain::ops::cuda
