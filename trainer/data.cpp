@@ -62,6 +62,7 @@ Dataset fashion_mnist(const Config& config) {
   d.test = fashion_split(read_idx_gz(dir + "/t10k-images-idx3-ubyte.gz"),
                          read_idx_gz(dir + "/t10k-labels-idx1-ubyte.gz"), dir + "/t10k-*", mean, std);
   d.num_classes = 10;
+  d.num_classes_origin = "Fashion-MNIST's 10 classes";
   d.input_shape = {1, 28, 28};
   d.mean = mean;
   d.std = std;
@@ -91,6 +92,9 @@ Dataset synthetic_images(const Config& config) {
   d.train = synthetic_image_split(templates, n_train, gen);
   d.test = synthetic_image_split(templates, n_test, gen);
   d.num_classes = classes;
+  d.num_classes_origin = config.get_int("data.num_classes")
+                             ? "data.num_classes=" + std::to_string(classes)
+                             : "the synthetic images' default of 10 (data.num_classes sets it)";
   d.input_shape = {c, s, s};
   d.description = "synthetic images " + std::to_string(c) + "x" + std::to_string(s) + "x" +
                   std::to_string(s) + ", " + std::to_string(classes) + " classes";
@@ -121,6 +125,7 @@ Dataset synthetic_tokens(const Config& config) {
   d.train = synthetic_token_split(n_train, t, gen);
   d.test = synthetic_token_split(n_test, t, gen);
   d.num_classes = 256;
+  d.num_classes_origin = "the synthetic tokens' 256 byte values";
   d.input_shape = {t};
   d.is_tokens = true;
   d.description = "synthetic token sequences, " + std::to_string(t) + " tokens";
@@ -192,6 +197,17 @@ Split classification_split(const std::string& path, const std::string& key, cons
   return Split{x.contiguous(), y};
 }
 
+struct LargestLabel {
+  int64_t value;
+  int64_t index;
+  std::string file;
+};
+
+LargestLabel largest_label(const at::Tensor& labels, std::string file) {
+  const int64_t at = labels.argmax().item<int64_t>();  // the first of the largest
+  return {labels[at].item<int64_t>(), at, std::move(file)};
+}
+
 Split rows(const Split& s, const at::Tensor& index) {
   return Split{s.inputs.index_select(0, index), s.targets.index_select(0, index)};
 }
@@ -200,9 +216,15 @@ Dataset tensors_dataset(const Config& config) {
   const std::string& path = config.get_string("data.path");
   const std::string& val_path = config.get_string("data.val_path");
   Split train = classification_split(path, "data.path", config);
+  // The largest label and where it is in its file (before any split): with
+  // data.num_classes unset it sets the class count, and a stray label is as
+  // likely a cause of a model/data mismatch as a model of too few outputs.
+  LargestLabel largest = largest_label(train.targets, "data.path " + path);
   Split val;
   if (!val_path.empty()) {
     val = classification_split(val_path, "data.val_path", config);
+    const LargestLabel in_val = largest_label(val.targets, "data.val_path " + val_path);
+    if (in_val.value > largest.value) largest = in_val;
     if (val.inputs.sizes().slice(1) != train.inputs.sizes().slice(1)) {
       throw UsageError("data.val_path: " + val_path + ": inputs of shape " +
                        c10::str(val.inputs.sizes()) + " do not match the training inputs " +
@@ -224,8 +246,13 @@ Dataset tensors_dataset(const Config& config) {
     train = rows(train, std::get<0>(perm.narrow(0, n_val, n - n_val).sort()));
   }
   int64_t classes = config.get_int("data.num_classes");
+  std::string origin = "data.num_classes=" + std::to_string(classes);
   if (classes == 0) {
-    classes = 1 + std::max(train.targets.max().item<int64_t>(), val.targets.max().item<int64_t>());
+    classes = 1 + largest.value;
+    origin = "data.num_classes=0, so inferred from the labels: the largest is " +
+             std::to_string(largest.value) + " at index " + std::to_string(largest.index) +
+             " of " + largest.file + " (classes = largest label + 1); a wrong label is fixed in "
+             "that file, else set data.num_classes";
   }
   if (classes < 2) {
     throw UsageError("data.path: " + path + ": every label is 0; a classifier needs at least two "
@@ -235,6 +262,7 @@ Dataset tensors_dataset(const Config& config) {
   d.train = std::move(train);
   d.test = std::move(val);
   d.num_classes = classes;
+  d.num_classes_origin = std::move(origin);
   d.input_shape = d.train.inputs.sizes().slice(1).vec();
   d.mean = config.get_float("data.mean");
   d.std = config.get_float("data.std");
@@ -327,6 +355,10 @@ Dataset stream_dataset(const Config& config) {
   d.random_windows = true;
   d.samples_per_epoch = (train.size(0) - 1) / t;
   d.num_classes = vocab;
+  d.num_classes_origin = text ? "text's byte vocabulary (" + std::to_string(vocab) + ")"
+                         : config.get_int("model.vocab_size")
+                             ? "model.vocab_size=" + std::to_string(vocab)
+                             : "model.vocab_size=0, so the largest token id of the data + 1";
   d.input_shape = {t};
   d.is_tokens = true;
   d.byte_vocab = text;

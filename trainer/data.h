@@ -30,6 +30,10 @@ struct Dataset {
   Split test;
   /// Classes (images) or vocabulary size (tokens).
   int64_t num_classes = 0;
+  /// Where num_classes came from, for the errors of a model whose output
+  /// disagrees with it: the config key that set it, the dataset that fixes
+  /// it, or the largest label found in a file (with its index).
+  std::string num_classes_origin;
   /// [C, H, W] for images, [T] for token windows.
   std::vector<int64_t> input_shape;
   bool is_tokens = false;

@@ -296,11 +296,19 @@ Model load_torchscript_model(const Config& config, const Dataset& data) {
   if (data.is_tokens) expected.push_back(x.size(1));
   expected.push_back(data.num_classes);
   if (!at::isFloatingType(y.scalar_type()) || y.sizes() != c10::IntArrayRef(expected)) {
+    // When the class counts disagree, either side may be wrong: say where the
+    // trainer's count came from.
+    const bool classes_differ = y.dim() == 0 || y.sizes().back() != data.num_classes;
     throw UsageError("model.path: " + path + ": forward(x) with x of " + input + " returned " +
                      c10::str(y.sizes()) + " " + c10::toString(y.scalar_type()) +
                      "; the trainer needs floating-point logits of shape " +
                      c10::str(c10::IntArrayRef(expected)) +
-                     (data.is_tokens ? " (batch, tokens, vocabulary)" : " (batch, classes)"));
+                     (data.is_tokens ? " (batch, tokens, vocabulary)" : " (batch, classes)") +
+                     (classes_differ && !data.num_classes_origin.empty()
+                          ? ". Its " + std::to_string(data.num_classes) + " " +
+                                (data.is_tokens ? "vocabulary entries" : "classes") +
+                                " come from " + data.num_classes_origin
+                          : std::string()));
   }
   return model;
 }

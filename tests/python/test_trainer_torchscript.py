@@ -311,6 +311,31 @@ def test_bad_modules_fail_before_training(tmp_path, models, arch, needle):
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("where", ["train", "val"])
+def test_a_stray_label_is_named_when_the_classes_disagree(tmp_path, models, where):
+    """A label 12 by mistake in a 3-class file: the trainer infers 13 classes
+    and the 3-output model disagrees. The error says where the 13 came from
+    (the file, the label's index and value) and which key sets the count."""
+    user_models, _ = models
+    (train, x, y), (val, xv, yv) = data_files(tmp_path, (1, 8, 8))
+    path, labels, inputs = (train, y, x) if where == "train" else (val, yv, xv)
+    labels = labels.clone()
+    labels[17] = 12
+    safetensors_torch.save_file({"inputs": inputs.contiguous(), "labels": labels}, str(path))
+    model = tmp_path / "cnn.pt"
+    torch.jit.script(user_models.SmallCnn()).save(str(model))
+    run_dir = tmp_path / "run"
+    p = run(*full_batch_args(run_dir, model, train, val, len(y)))
+    assert p.returncode == USAGE, p.stderr
+    key = "data.path" if where == "train" else "data.val_path"
+    want = (f"Its 13 classes come from data.num_classes=0, so inferred from the labels: the largest is 12 at "
+            f"index 17 of {key} {path}")
+    assert want in p.stderr and "set data.num_classes" in p.stderr, p.stderr
+    # Set explicitly, the count is the key's, and the stray label is named.
+    p = run(*full_batch_args(run_dir, model, train, val, len(y)), "--set", "data.num_classes=3")
+    assert p.returncode == USAGE and "label 12 at index 17 is out of range for data.num_classes=3" in p.stderr, p.stderr
+
+
 def test_missing_or_foreign_model_files(tmp_path):
     (train, x, y), (val, _, _) = data_files(tmp_path, (1, 8, 8))
     not_script = tmp_path / "weights.pt"
