@@ -86,12 +86,15 @@ class CMakeBuild(build_ext):
         target.parent.mkdir(parents=True, exist_ok=True)
         built = next(build_dir.glob("_C.*.so"))
         shutil.copy2(built, target)
-        shutil.copy2(build_dir / "libfusetrain.so", target.parent / "libfusetrain.so")
+        # The C++ core in fusetrain/lib, not a package (Note [Wheel RUNPATH]).
+        (target.parent / "lib").mkdir(exist_ok=True)
+        shutil.copy2(build_dir / "libfusetrain.so", target.parent / "lib" / "libfusetrain.so")
         if editable:
             # Only _C is copied into the source tree by setuptools. Copied,
             # then renamed over the old one, so a running Python keeps its
             # mapped copy (as scripts/install-python.sh does).
-            dest = ROOT / "python" / "fusetrain" / "libfusetrain.so"
+            dest = ROOT / "python" / "fusetrain" / "lib" / "libfusetrain.so"
+            dest.parent.mkdir(exist_ok=True)
             shutil.copy2(build_dir / "libfusetrain.so", f"{dest}.new")
             os.replace(f"{dest}.new", dest)
 

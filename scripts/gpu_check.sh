@@ -144,7 +144,9 @@ if [ "$with_python" = ON ] && ! compgen -G "$BUILD/_C.*.so" > /dev/null; then
   fail "CMake built no fusetrain._C (see 'Python' in $OUTDIR/gpu_build.log): SKIPPING the Python stages"
 fi
 if [ "$with_python" = ON ]; then
-  cp -f "$BUILD"/_C.*.so "$BUILD"/libfusetrain.so python/fusetrain/
+  mkdir -p python/fusetrain/lib
+  cp -f "$BUILD"/_C.*.so python/fusetrain/
+  cp -f "$BUILD"/libfusetrain.so python/fusetrain/lib/
 fi
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 export FUSETRAIN_BUILD_DIR="$PWD/$BUILD"

@@ -45,13 +45,23 @@ TOL = 1e-6
 def check_imports() -> None:
     import fusetrain
 
-    # libfusetrain.so looks like a module to pkgutil (a .so file); it is the
-    # C++ core that fusetrain._C links, not something Python imports.
-    names = sorted(m.name for m in pkgutil.walk_packages(fusetrain.__path__, "fusetrain.")
-                   if m.name != "fusetrain.libfusetrain")
+    # Every module pkgutil finds imports: the C++ core (fusetrain/lib, not a
+    # package) is not among them, as it once was beside the modules.
+    names = sorted(m.name for m in pkgutil.walk_packages(fusetrain.__path__, "fusetrain."))
+    assert not any("libfusetrain" in n for n in names), names
+    # The integrations need their optional libraries, which this venv lacks:
+    # they must say which extra to install, in one line.
+    imported, optional = [], []
     for name in names:
-        importlib.import_module(name)
-    print("modules:", " ".join(names))
+        try:
+            importlib.import_module(name)
+            imported.append(name)
+        except ImportError as e:
+            if 'pip install "fusetrain[' not in str(e) or "\n" in str(e):
+                raise
+            optional.append(name)
+    print("modules:", " ".join(imported))
+    print("optional:", " ".join(optional))
 
     prefix = os.path.realpath(sys.prefix)
     here = os.path.realpath(fusetrain.__file__)
