@@ -115,6 +115,19 @@ setup(
     # `pip install "fusetrain[tpu]"`: torch's TPU backend (device "tpu"),
     # built for torch 2.11 and later; fusetrain's ops run on it through their
     # device-generic kernels. Not installed or run where fusetrain is built.
-    extras_require={"tpu": ["torch-tpu"]},
+    # `pip install "fusetrain[hf]"` (alias "transformers"): the Hugging Face
+    # Trainer helpers of fusetrain.integrations (the Trainer needs accelerate);
+    # "accelerate": use_grad_scaler. Minimum versions only: transformers 4.47
+    # brought Trainer(optimizer_cls_and_kwargs=...).
+    # `pip install "fusetrain[lightning]"`: fusetrain.lightning's precision
+    # plugin and strategies (PyTorch Lightning 2.x; tested with 2.6).
+    extras_require={
+        "tpu": ["torch-tpu"],
+        "lightning": ["lightning>=2.4"],
+        "hf": ["transformers>=4.47", "accelerate>=0.26"],
+        "transformers": ["transformers>=4.47", "accelerate>=0.26"],
+        "accelerate": ["accelerate>=0.26"],
+        "docs": ["sphinx>=7.2", "myst-parser>=3.0", "furo>=2024.1.29"],
+    },
     zip_safe=False,
 )

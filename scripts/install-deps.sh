@@ -9,6 +9,10 @@ TORCH_VERSION=2.11.0
 APT_PACKAGES=(cmake ninja-build ccache g++ libcxxopts-dev catch2 libyaml-cpp-dev nlohmann-json3-dev libgloo-dev
               zlib1g-dev dataset-fashion-mnist bible-kjv iproute2 nftables)
 PY_PACKAGES=(numpy pytest pybind11 matplotlib pyyaml setuptools wheel safetensors)
+# The optional integrations' libraries (setup.py's extras), which their tests
+# run against: fusetrain itself imports without any of them. Minimum versions
+# only; the constraint keeps pip from replacing the pinned torch.
+EXTRA_PY_PACKAGES=("lightning>=2.4" "transformers>=4.46" "accelerate>=1.0" "sphinx>=7.2" "myst-parser>=3.0" "furo>=2024.1.29")
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -50,7 +54,10 @@ need_py=()
 for p in "${PY_PACKAGES[@]}"; do
   "$PY" -m pip show -q "$p" >/dev/null 2>&1 || need_py+=("$p")
 done
+for p in "${EXTRA_PY_PACKAGES[@]}"; do
+  "$PY" -m pip show -q "${p%%[<>=]*}" >/dev/null 2>&1 || need_py+=("$p")
+done
 if ((${#need_py[@]})); then
   echo "install-deps: pip install ${need_py[*]}"
-  "$PY" -m pip install -q "${need_py[@]}"
+  "$PY" -m pip install -q -c <(echo "torch==$TORCH_VERSION") "${need_py[@]}"
 fi
