@@ -19,7 +19,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
-from . import _C
+from . import _C, _dtensor
 from ._devices import TPU, autocast_device_types, device_type as _device_type
 from .float8 import DEFAULT_FP8_MIN_FEATURES, Float8Linear, Float8Recipe
 
@@ -516,6 +516,43 @@ def _grads_of(optimizer: torch.optim.Optimizer) -> list:
     return grads
 
 
+def _sharded_flag(grads: list, inv_scale: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The overflow check of gradients some of which are DTensors (Note
+    [DTensor: local shards] in ``fusetrain/_dtensor.py``): the unscale op on
+    the local shards (multiplying by ``inv_scale`` unless it is 1), its
+    per-device flags combined and all-reduced (max) over every mesh the
+    gradients live on, so that every rank sees an overflow any rank found.
+    Returns a one-element float32 "gradient" on the scale's device, inf when
+    some rank overflowed and 0 otherwise, for the C++ core to check in place
+    of the gradients: its state machine and records (what ``step`` hands the
+    optimizer and ``update`` reads) then hold the agreed flag. No host sync.
+    Raises before touching anything for gradients the core would refuse."""
+    locals_ = _dtensor.local_list(grads)
+    per_device = {}
+    device_type = scale.device.type
+    for i, g in enumerate(locals_):
+        if g is None:
+            continue
+        if not g.is_floating_point():
+            raise RuntimeError(
+                f"GradScaler: the gradient of parameter {i} has dtype {g.dtype}; only float32, float16, "
+                "bfloat16 and float64 gradients can be unscaled"
+            )
+        if g.device.type != device_type:
+            raise RuntimeError(
+                f'GradScaler(device="{device_type}"): the gradient of parameter {i} is on {g.device}; keep '
+                f'the parameters on {device_type} or construct the scaler for {g.device.type}'
+            )
+        per_device.setdefault(g.device, []).append(g)
+    found = torch.zeros((), dtype=torch.float32, device=scale.device)
+    for device, gs in per_device.items():
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+        torch.ops.fusetrain.non_finite_check_and_unscale_(gs, flag, inv_scale.to(device, non_blocking=True))
+        found = torch.maximum(found, flag.to(scale.device, non_blocking=True))
+    _dtensor.all_reduce_(found, _dtensor.mesh_groups(grads), "max")
+    return torch.where(found > 0, float("inf"), 0.0).reshape(1)
+
+
 # Misuse that torch's GradScaler reports with AssertionError (the C++ core
 # raises RuntimeError with torch's message; the Python face restores the type).
 _TORCH_ASSERTIONS = ("No inf checks were recorded",)
@@ -613,7 +650,21 @@ class GradScaler:
             return
         self._check_initialized("unscale_")
         with torch.no_grad():
-            self._core.unscale_grads_(id(optimizer), _grads_of(optimizer))
+            grads = _grads_of(optimizer)
+            if _dtensor.any_dtensor(grads):
+                self._unscale_sharded(id(optimizer), grads)
+            else:
+                self._core.unscale_grads_(id(optimizer), grads)
+
+    def _unscale_sharded(self, key: int, grads: list) -> None:
+        """``unscale_`` of DTensor gradients: the local shards unscaled, the
+        overflow flag agreed across the mesh (``_sharded_flag``)."""
+        if self._core.stage(key) != OptState.READY.value:
+            self._core.unscale_grads_(key, [])  # raises the core's error for the stage
+        scale = self._core.scale_tensor
+        # fp32 reciprocal of a double-precision 1/scale, as the core's (and torch's).
+        inv_scale = scale.double().reciprocal().float()
+        self._core.unscale_grads_(key, [_sharded_flag(grads, inv_scale, scale)])
 
     def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
         """Steps ``optimizer`` unless this iteration's gradients held inf/NaN
@@ -626,7 +677,17 @@ class GradScaler:
         key = id(optimizer)
         takes_scale = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         with torch.no_grad(), _torch_assertions():
-            grad_scale, found_inf = self._core.prepare_step(key, _grads_of(optimizer), takes_scale)
+            grads = _grads_of(optimizer)
+            if _dtensor.any_dtensor(grads) and self._core.stage(key) == OptState.READY.value:
+                # Sharded gradients: the overflow flag agreed across the mesh
+                # stands in for them (Note [DTensor: local shards]).
+                if takes_scale:
+                    scale = self._core.scale_tensor
+                    grads = [_sharded_flag(grads, torch.ones_like(scale), scale)]
+                else:
+                    self._unscale_sharded(key, grads)
+                    grads = []
+            grad_scale, found_inf = self._core.prepare_step(key, grads, takes_scale)
         if takes_scale:
             optimizer.grad_scale = grad_scale
             optimizer.found_inf = found_inf
@@ -686,7 +747,7 @@ class GradScaler:
         names, grads = [], []
         for name, param in named_parameters:
             names.append(name)
-            grads.append(param.grad)
+            grads.append(_dtensor.local(param.grad))  # (a DTensor's: this rank's shard)
         return [names[i] for i in _C.GradScalerCore.non_finite_indices(grads)]
 
     # ----------------------------------------------------------- accessors

@@ -35,16 +35,20 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 
 from . import _C  # noqa: F401  (registers the ops)
+from . import _dtensor
+from .utils import total_norm
 
 __all__ = ["FusedAdamW", "FusedAdam", "FusedSGD", "ZeroRedundancyOptimizer"]
 
 
 def _grad_of(p: torch.Tensor) -> torch.Tensor:
-    """p.grad laid out like p. The kernels walk a parameter and its gradient
-    in memory order, so they need the same strides; autograd gives the
-    parameter's layout, but a gradient assigned by hand may have another one
-    (torch's optimizers accept it): that one is copied into p's layout."""
-    g = p.grad
+    """p.grad laid out like p, as a plain tensor (a DTensor's local shard;
+    Note [DTensor: local shards] in ``fusetrain/_dtensor.py``). The kernels
+    walk a parameter and its gradient in memory order, so they need the same
+    strides; autograd gives the parameter's layout, but a gradient assigned
+    by hand may have another one (torch's optimizers accept it): that one is
+    copied into p's layout."""
+    g, p = _dtensor.local(p.grad), _dtensor.local(p)
     if g.stride() != p.stride():
         g = torch.empty_like(p, memory_format=torch.preserve_format).copy_(g)
     return g
@@ -55,8 +59,9 @@ def _write_back(params: List[torch.Tensor], grads: List[torch.Tensor]) -> None:
     place (torch's fused optimizers leave p.grad unscaled too); a gradient
     that was copied into its parameter's layout gets the result back."""
     for p, g in zip(params, grads):
-        if g is not p.grad:
-            p.grad.copy_(g)
+        target = _dtensor.local(p.grad)
+        if g is not target:
+            target.copy_(g)
 
 
 def _checked_lr(lr):
@@ -125,31 +130,29 @@ class _FusedOptimizer(torch.optim.Optimizer):
 
     def _params_with_grad(self, group: dict):
         out = []
-        for p in group["params"]:
+        dtensors = _dtensor.dtensor_type() is not None
+        for i, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
             if p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             if torch.is_complex(p):
                 raise RuntimeError(f"{type(self).__name__} does not support complex parameters")
+            if dtensors:
+                # The kernels update local shards elementwise: the gradient's
+                # shard must be the parameter's (Note [DTensor: local shards]).
+                _dtensor.check_layout(p, p.grad, "gradient", i, type(self).__name__)
             out.append(p)
         return out
 
     def _clip_scale(self, grad_scale: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Folds clipping into the divisor the kernels apply to the gradients."""
+        """Folds clipping into the divisor the kernels apply to the gradients.
+        The total norm is over every rank's shards of DTensor gradients."""
         grads = [p.grad for g in self.param_groups for p in self._params_with_grad(g)]
         if not grads:
             return grad_scale
-        by_device = defaultdict(list)
-        for g in grads:
-            by_device[g.device].append(g)
-        device = grads[0].device
-        sq = None
-        for dev, gs in by_device.items():
-            total, _ = torch.ops.fusetrain.multi_tensor_l2norm(gs, False)
-            part = total.to(device).square()
-            sq = part if sq is None else sq + part
-        norm = sq.sqrt()
+        norm = total_norm(grads, 2.0)
+        device = norm.device
         if grad_scale is not None:
             norm = norm / grad_scale.to(device)
         self.last_grad_norm = norm
@@ -198,12 +201,28 @@ class _FusedOptimizer(torch.optim.Optimizer):
             state["master_param"] = p.detach().to(torch.float32, copy=True)
         return state["master_param"]
 
+    def state_dict(self) -> dict:
+        """torch's optimizer state dict. A group's ``master_weights`` is saved
+        only when True: without master weights the state dict has exactly the
+        keys of the torch optimizer this one replaces, so that
+        ``torch.distributed.checkpoint`` (which loads by key) moves it between
+        the two in both directions."""
+        state_dict = super().state_dict()
+        for group in state_dict["param_groups"]:
+            if not group.get("master_weights", False):
+                group.pop("master_weights", None)
+        return state_dict
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Loads a state dict of this optimizer or of the torch optimizer it
         replaces. Master-weight state stays fp32 (torch's loader would cast it
         to the 16-bit parameter dtype), and step counts become float32 tensors
-        on the parameter's device, as the fused kernels read them."""
+        on the parameter's device, as the fused kernels read them. The state
+        is keyed as the saved groups' ``params`` name it: indices, or the
+        parameter names that ``torch.distributed.checkpoint.state_dict``
+        (``set_optimizer_state_dict``) uses."""
         source = state_dict["state"]
+        saved_keys = [key for saved in state_dict["param_groups"] for key in saved["params"]]
         # A torch optimizer's groups carry no master_weights: keep this
         # optimizer's setting rather than let __setstate__ default it to False.
         masters = [
@@ -217,7 +236,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 state = self.state.get(p)
-                src = source.get(index, {})
+                src = source.get(saved_keys[index], {}) if index < len(saved_keys) else {}
                 index += 1
                 if not state:
                     continue
@@ -307,16 +326,16 @@ class FusedAdamW(_FusedOptimizer):
             if group["amsgrad"] and "max_exp_avg_sq" not in state:
                 state["max_exp_avg_sq"] = torch.zeros_like(state["exp_avg_sq"])
             grads.append(_grad_of(p))
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
+            exp_avgs.append(_dtensor.local(state["exp_avg"]))
+            exp_avg_sqs.append(_dtensor.local(state["exp_avg_sq"]))
             if group["amsgrad"]:
-                max_sqs.append(state["max_exp_avg_sq"])
+                max_sqs.append(_dtensor.local(state["max_exp_avg_sq"]))
             if master:
-                masters.append(self._master_of(p, state))
+                masters.append(_dtensor.local(self._master_of(p, state)))
             steps.append(state["step"])
         beta1, beta2 = group["betas"]
         torch.ops.fusetrain.fused_adamw_(
-            params,
+            _dtensor.local_list(params),
             grads,
             exp_avgs,
             exp_avg_sqs,
@@ -457,10 +476,10 @@ class FusedSGD(_FusedOptimizer):
                 continue
             grads = [_grad_of(p) for p in subset]
             torch.ops.fusetrain.fused_sgd_(
-                subset,
+                _dtensor.local_list(subset),
                 grads,
-                [self.state[p]["momentum_buffer"] for p in subset] if momentum != 0 else [],
-                [self._master_of(p, self.state[p]) for p in subset] if master else [],
+                [_dtensor.local(self.state[p]["momentum_buffer"]) for p in subset] if momentum != 0 else [],
+                [_dtensor.local(self._master_of(p, self.state[p])) for p in subset] if master else [],
                 **_lr_args(group["lr"], subset[0].device),
                 momentum=momentum,
                 dampening=float(group["dampening"]),

@@ -24,6 +24,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn import _reduction
 
 from .. import _C  # noqa: F401  (registers the fusetrain ops)
+from .. import _dtensor
 
 __all__ = [
     "softmax_cross_entropy",
@@ -120,6 +121,17 @@ def softmax_cross_entropy(
         raise ValueError(f'softmax_cross_entropy: reduction must be "mean", "sum" or "none", got "{reduction}"')
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"softmax_cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
+    if _dtensor.any_dtensor((input, target)):
+        dims = input.dim()
+
+        def target_dim(d):  # the classes are dimension 1 (0 when unbatched)
+            return None if dims < 2 or d == 1 else (0 if d == 0 else d - 1)
+
+        return _sharded_loss(
+            "softmax_cross_entropy", input, target, reduction, ignore_index, None, target_dim,
+            lambda x, t, r, _: softmax_cross_entropy(x, t, ignore_index=ignore_index, reduction=r,
+                                                     label_smoothing=label_smoothing),
+        )
 
     target = target.long()
     if input.dim() == 1:
@@ -157,6 +169,83 @@ def _apply(logits, target, ignore_index, label_smoothing, reduction):
     # the same two ops without Python in the backward: 64 x 512 fp32 logits
     # fwd+bwd took 155 us through _SoftmaxCrossEntropy, of which the ops are 54.
     return _C.softmax_cross_entropy(logits, target, int(ignore_index), float(label_smoothing), reduction)
+
+
+def _sharded_loss(name, input, target, reduction, ignore_index, class_weight, target_dim, compute):
+    """A loss of DTensor ``input`` (logits, or the linear's input) replicated or
+    sharded on its rows, computed on the local shards: ``compute(local input,
+    local target, reduction, grad_placements)`` is the loss on plain tensors
+    (``grad_placements``: those of the gradient of a replicated weight used
+    with these rows). ``target_dim(d)``: the target's dimension for input
+    dimension d, None where d is not a row dimension (the classes, the
+    features). Replicated rows give the loss replicated; rows sharded over
+    some mesh dimensions give "none" sharded as the target, "sum" as a Partial
+    (sum) DTensor, and "mean" as a Partial (sum) DTensor of each rank's sum
+    over the count of targets not ignored on all ranks (class weights
+    included), the exact mean (torch's Partial "avg" averages each rank's
+    mean). ``full_tensor()`` gives the value; ``backward()`` works on it."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    if not _dtensor.is_dtensor(input):
+        raise ValueError(
+            f"{name}: the target or a weight is a DTensor but the input is a plain tensor; pass the input "
+            "as a DTensor (replicated or sharded on its rows), or call the loss where the weights are plain "
+            "tensors (inside the forward of the module that FSDP2 unshards them for)"
+        )
+    mesh = input.device_mesh
+    target_placements, sharded = [], []
+    for i, placement in enumerate(input.placements):
+        if placement.is_partial():
+            raise ValueError(f"{name}: the input is a Partial DTensor (mesh dimension {i}); reduce it first")
+        if placement.is_shard():
+            d = placement.dim if placement.dim >= 0 else placement.dim + input.dim()
+            td = target_dim(d)
+            if td is None:
+                raise NotImplementedError(
+                    f"{name}: the input is sharded on dimension {d} (mesh dimension {i}), which is not a "
+                    "batch dimension; shard it on its rows or replicate it (logits sharded on the classes "
+                    "are torch.distributed.tensor.parallel.loss_parallel's case)"
+                )
+            target_placements.append(Shard(td))
+            sharded.append(i)
+        else:
+            target_placements.append(Replicate())
+    if _dtensor.is_dtensor(target):
+        if target.device_mesh != mesh or tuple(target.placements) != tuple(target_placements):
+            raise ValueError(
+                f"{name}: the target has placements {tuple(target.placements)} on {target.device_mesh}; "
+                f"for this input it needs {tuple(target_placements)} on {mesh}"
+            )
+        local_target = target.to_local()
+    elif sharded:
+        raise ValueError(
+            f"{name}: the input is sharded on its rows but the target is a plain tensor; pass the target "
+            f"as a DTensor with placements {tuple(target_placements)}"
+        )
+    else:
+        local_target = target
+    grad_placements = [Partial() if i in sharded else Replicate() for i in range(mesh.ndim)]
+    local_input = input.to_local()
+    if not sharded:
+        loss = compute(local_input, local_target, reduction, grad_placements)
+        return DTensor.from_local(loss, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    if reduction == "none":
+        loss = compute(local_input, local_target, "none", grad_placements)
+        return DTensor.from_local(loss, mesh, target_placements, run_check=False,
+                                  shape=target.shape, stride=target.stride())
+    loss = compute(local_input, local_target, "sum", grad_placements)
+    if reduction == "mean":
+        kept = local_target != ignore_index
+        if class_weight is None:
+            denominator = kept.sum().to(torch.float32)
+        else:
+            safe = torch.where(kept, local_target, 0).long()
+            denominator = (class_weight.float()[safe] * kept).sum()
+        groups = [mesh.get_group(i) for i in sharded]
+        _dtensor.all_reduce_(denominator, groups, "sum")
+        loss = (loss.float() / denominator).to(loss.dtype)
+    return DTensor.from_local(loss, mesh, [Partial("sum") if i in sharded else Replicate()
+                                           for i in range(mesh.ndim)], run_check=False)
 
 
 # F.cross_entropy's name, for ``import fusetrain.nn.functional as F``.
@@ -309,6 +398,17 @@ def linear_cross_entropy(
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"linear_cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
     ignore_index = -100 if ignore_index is None else int(ignore_index)
+    if _dtensor.any_dtensor((input, target, linear_weight, linear_bias, weight)):
+        if _dtensor.is_dtensor(weight):
+            weight = weight.full_tensor()  # (class weights: [classes], not trained)
+        return _sharded_loss(
+            "linear_cross_entropy", input, target, reduction, ignore_index, weight,
+            lambda d: d if d < input.dim() - 1 else None,
+            lambda x, t, r, grad_placements: linear_cross_entropy(
+                x, _replicated_local(linear_weight, input, grad_placements), t,
+                linear_bias=_replicated_local(linear_bias, input, grad_placements), weight=weight,
+                reduction=r, ignore_index=ignore_index, label_smoothing=label_smoothing, options=options),
+        )
     if options.chunking_method == "none" or target.is_floating_point():
         if target.is_floating_point() and options.chunking_method != "none":
             warnings.warn(
@@ -359,6 +459,26 @@ def linear_cross_entropy(
     return loss.to(torch.float32 if autocast else x.dtype)
 
 
+def _replicated_local(weight, input, grad_placements):
+    """A linear's weight or bias for the local rows of the DTensor ``input``:
+    a plain tensor as it is; a DTensor replicated on input's mesh (gathered
+    first when sharded, as FSDP2 keeps it outside its module's forward), its
+    gradient declared Partial over the mesh dimensions the rows are sharded
+    on (each rank's local rows contribute a part of it)."""
+    if not _dtensor.is_dtensor(weight):
+        return weight
+    from torch.distributed.tensor import Replicate
+
+    mesh = input.device_mesh
+    if weight.device_mesh != mesh:
+        raise ValueError(
+            f"linear_cross_entropy: the weight's mesh {weight.device_mesh} is not the input's {mesh}"
+        )
+    if any(not p.is_replicate() for p in weight.placements):
+        weight = weight.redistribute(mesh, [Replicate()] * mesh.ndim)
+    return weight.to_local(grad_placements=grad_placements)
+
+
 _BN_FORWARD = torch.ops.fusetrain.batch_norm_relu.default
 _BN_BACKWARD = torch.ops.fusetrain.batch_norm_relu_backward.default
 
@@ -402,8 +522,7 @@ def batch_norm_relu(
     training, momentum, eps))``: the same arguments and semantics, or
     ``F.batch_norm`` alone with ``relu=False``.
 
-    On the CPU, for float32, float16 and bfloat16 inputs of any shape [N, C,
-    *] and memory format (channels_last included; the output keeps it), with
+    On the CPU, for float32, float16 and bfloat16 inputs of any shape ``[N, C, *]`` and memory format (channels_last included; the output keeps it), with
     weight and statistics in float32 or the input's dtype, one fused op
     forward (the statistics in one pass, then normalisation and ReLU in
     another) and one backward, fp32 math; in training the running statistics

@@ -1,0 +1,388 @@
+"""FSDP2 on the CPU: the optimizer step over ``fully_shard``'s DTensor
+parameters with fusetrain's FusedAdamW against torch's AdamW, fused and
+foreach.
+
+Issue 41: "CPU, 2 ranks, a 10M-parameter model under FSDP2: step time with
+FusedAdamW vs torch.optim.AdamW(fused=True) and vs foreach (goal >= 1.0x and
+>= 1.2x), in one interleaved run". The goals apply to the optimizer step
+(``opt.step()``, the part that differs between the configurations); the
+whole training step (``zero_grad``, forward, cross-entropy, backward, step)
+is reported beside it.
+
+Setup: 2 ranks, gloo on loopback, one intra-op thread per rank
+(``torch.set_num_threads(1)``, ``OMP_NUM_THREADS=1``: the ranks share the
+machine's cores, two on the reference machine). A pre-LN GPT (``--size
+default``: 8 layers, d_model 256, 4 heads, MLP 1024, context 64, vocabulary
+8192, untied head, no qkv bias; 10.5M float32 parameters in 94 tensors), ``fully_shard``
+on every block and at the root (FSDP2's defaults: ``reshard_after_forward``,
+float32), batch 8 x 64 tokens per rank. Three configurations, each with its
+own model from the same seed, on the same batches:
+
+1. ``fusetrain.optim.FusedAdamW`` (the baseline of the ratios);
+2. ``torch.optim.AdamW(fused=True)``;
+3. ``torch.optim.AdamW(foreach=True)``;
+
+all with lr 1e-3, weight decay 0.01, default betas and eps. ``--size tiny``
+(2 layers, d_model 64, vocabulary 512) checks that the script runs.
+
+Method: one pair of worker processes (this file with ``--worker --rank R``)
+rendezvous on a TCPStore that this process hosts on a free loopback port,
+with a deadline after which they are killed. Every iteration visits every
+configuration in an order rotated by one each iteration; a visit is a
+``dist.barrier()`` and one training step, timed with ``perf_counter``: the
+whole step, and ``opt.step()`` alone. ``--warmup`` iterations (3), then
+``--steps`` timed (30). Rank 0's medians are reported, rank 1's are in the
+JSON. Ratios: torch's median / FusedAdamW's (> 1: ours faster).
+
+Correctness: FusedAdamW's and torch's fused AdamW end within 1e-5 of each
+other (max |difference| of the final parameters; the two compute the update
+in different operation orders, see test_optim.py's Note [Trajectory
+tolerance]); checked on rank 0, printed and kept in the JSON.
+
+Writes ``bench/results/fsdp2-<machine>-<date>.json`` (``fsdp2-tiny-...`` for
+``--size tiny``) and prints a table.
+
+    .venv/bin/python bench/bench_fsdp2.py [--size default|tiny] [--steps 30] [--warmup 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from common import _cpu_model, machine_info, machine_slug  # noqa: E402
+
+WORLD = 2
+THREADS = 1  # per rank
+LR = 1e-3
+WEIGHT_DECAY = 0.01
+BATCH = 8  # sequences per rank
+DEADLINE_S = 900.0
+MATCH_TOL = 1e-5  # FusedAdamW vs torch's fused AdamW, max |difference| of the final parameters
+GOALS = {"torch_fused": 1.0, "torch_foreach": 1.2}  # opt.step() ratio torch / ours
+
+SIZES = {
+    # layers, d_model, heads, MLP width, context, vocabulary
+    "default": dict(layers=8, d_model=256, heads=4, hidden=1024, context=64, vocab=8192),
+    "tiny": dict(layers=2, d_model=64, heads=2, hidden=128, context=16, vocab=512),
+}
+
+CONFIGS = {
+    "fusetrain": "fusetrain FusedAdamW",
+    "torch_fused": "torch AdamW(fused=True)",
+    "torch_foreach": "torch AdamW(foreach=True)",
+}
+BASELINE = "fusetrain"
+
+
+def build_model(size: dict):
+    """A pre-LN GPT with causal SDPA and an untied head, float32."""
+    from torch import nn
+    import torch.nn.functional as F
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            d = size["d_model"]
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            # (no qkv bias: a key bias has a zero gradient, whose rounding noise
+            # Adam would turn into full steps that differ between the optimizers)
+            self.qkv, self.proj = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d)
+            self.up, self.down = nn.Linear(d, size["hidden"]), nn.Linear(size["hidden"], d)
+
+        def forward(self, x):
+            b, t, d = x.shape
+            h = size["heads"]
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, h, d // h).permute(2, 0, 3, 1, 4)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+            return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+    class GPT(nn.Module):
+        def __init__(self):
+            super().__init__()
+            d = size["d_model"]
+            self.embed = nn.Embedding(size["vocab"], d)
+            self.pos = nn.Parameter(torch.zeros(size["context"], d))
+            self.blocks = nn.ModuleList([Block() for _ in range(size["layers"])])
+            self.ln = nn.LayerNorm(d)
+            self.head = nn.Linear(d, size["vocab"])
+
+        def forward(self, tokens):
+            x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln(x))
+
+    return GPT()
+
+
+def _make(config: str, size: dict):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = build_model(size)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    if config == "fusetrain":
+        import fusetrain.optim
+
+        opt = fusetrain.optim.FusedAdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY,
+                                fused=config == "torch_fused", foreach=config == "torch_foreach")
+    return model, opt
+
+
+def _batches(rank: int, steps: int, size: dict):
+    """Rank r's batch of step k: the same in every configuration."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    return [torch.randint(0, size["vocab"], (BATCH, size["context"] + 1), generator=g) for _ in range(steps)]
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    torch.set_num_threads(THREADS)
+    store = dist.TCPStore("127.0.0.1", args.port, None, False, timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=WORLD, timeout=timedelta(seconds=120))
+    size = SIZES[args.size]
+    configs = list(CONFIGS)
+    made = {c: _make(c, size) for c in configs}  # the same order on both ranks: fully_shard is collective
+    nparams = sum(p.numel() for p in made[BASELINE][0].parameters())
+    ntensors = len(list(made[BASELINE][0].parameters()))
+    steps = args.warmup + args.steps
+    batches = _batches(args.rank, steps, size)
+    whole = {c: [] for c in configs}
+    opt_only = {c: [] for c in configs}
+    for k in range(steps):
+        r = (k - args.warmup) % len(configs)
+        for config in configs[r:] + configs[:r]:
+            model, opt = made[config]
+            tokens = batches[k]
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            logits = model(tokens[:, :-1])
+            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)).backward()
+            t1 = time.perf_counter()
+            opt.step()
+            t2 = time.perf_counter()
+            if k >= args.warmup:
+                whole[config].append(t2 - t0)
+                opt_only[config].append(t2 - t1)
+    full = {c: torch.cat([p.full_tensor().reshape(-1) for p in made[c][0].parameters()]) for c in configs}
+    diffs = {c: float((full[c] - full[BASELINE]).abs().max()) for c in configs}
+    found = {
+        "rank": args.rank,
+        "nparams": nparams,
+        "ntensors": ntensors,
+        "whole_s": whole,
+        "opt_s": opt_only,
+        "max_param_diff_vs_fusetrain": diffs,
+        "threads": torch.get_num_threads(),
+    }
+    Path(args.out, f"result-rank{args.rank}.json").write_text(json.dumps(found))
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip the process group's teardown
+
+
+def run_workers(args) -> list:
+    """The two workers; their findings (raises with the logs' tails on failure)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
+    with tempfile.TemporaryDirectory(prefix="fusetrain_bench_fsdp2_") as tmp:
+        env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS=str(THREADS))
+        procs, logs = [], []
+        for rank in range(WORLD):
+            log = open(Path(tmp) / f"rank{rank}.log", "w")
+            logs.append(log)
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--rank", str(rank),
+                   "--port", str(store.port), "--out", tmp, "--steps", str(args.steps),
+                   "--warmup", str(args.warmup), "--size", args.size]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(HERE)))
+        deadline = time.monotonic() + args.deadline
+        timed_out = False
+        try:
+            while any(p.poll() is None for p in procs):
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    break
+                if any(p.poll() not in (None, 0) for p in procs):
+                    time.sleep(2.0)  # let the other rank print its own error
+                    break
+                time.sleep(0.1)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in procs:
+                p.wait(timeout=60)
+            for log in logs:
+                log.close()
+        logs_text = "\n".join(
+            f"--- rank {r} (exit {p.returncode}):\n" + (Path(tmp) / f"rank{r}.log").read_text(errors="replace")[-3000:]
+            for r, p in enumerate(procs))
+        outs = [Path(tmp) / f"result-rank{r}.json" for r in range(WORLD)]
+        if timed_out:
+            raise RuntimeError(f"timed out after {args.deadline:.0f} s:\n{logs_text}")
+        if any(p.returncode != 0 for p in procs) or not all(o.exists() for o in outs):
+            raise RuntimeError(f"workers failed:\n{logs_text}")
+        return [json.loads(o.read_text()) for o in outs]
+
+
+def _ms(xs):
+    return [x * 1e3 for x in xs]
+
+
+def main(argv) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--size", choices=sorted(SIZES), default="default",
+                    help="the model: the ~10M-parameter GPT (default) or a tiny one that checks the script runs")
+    ap.add_argument("--steps", type=int, default=30, help="timed iterations (every configuration once each)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--deadline", type=float, default=DEADLINE_S)
+    args = ap.parse_args(argv)
+    if args.worker:
+        try:
+            worker(args)
+        except Exception:
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        return
+
+    cores = os.cpu_count()
+    cpu = _cpu_model()
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    probed = machine_info(torch.device("cpu"), THREADS)
+    info = {
+        "cpu_model": cpu,
+        "cpu_cores": cores,
+        **{k: probed[k] for k in ("cpu_isa", "cpu_amx_bf16", "cpu_avx512_bf16", "git", "fusetrain") if k in probed},
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "world": WORLD,
+        "backend": "gloo (loopback)",
+        "threads_per_rank": THREADS,
+        "loadavg_start": load_start[0],
+        "loadavg_1_5_15_start": load_start,
+    }
+    size = SIZES[args.size]
+    print(f"bench_fsdp2: {WORLD} ranks x {THREADS} thread(s) on {cores} cores ({cpu}), gloo, GPT {size} under "
+          f"fully_shard (per block + root), batch {BATCH}x{size['context']} tokens/rank; {args.warmup} warm-up + "
+          f"{args.steps} timed iterations of the {len(CONFIGS)} configurations interleaved; load average "
+          f"{load_start[0]:.2f}", flush=True)
+    t0 = time.monotonic()
+    ranks = run_workers(args)
+    load_end = [round(x, 2) for x in os.getloadavg()]
+    info["loadavg_end"] = load_end[0]
+    info["loadavg_1_5_15_end"] = load_end
+    print(f"  done in {time.monotonic() - t0:.0f} s", flush=True)
+
+    r0 = ranks[0]
+    base_opt = statistics.median(r0["opt_s"][BASELINE])
+    base_whole = statistics.median(r0["whole_s"][BASELINE])
+    rows = []
+    for config, label in CONFIGS.items():
+        opt_ms, whole_ms = _ms(r0["opt_s"][config]), _ms(r0["whole_s"][config])
+        row = {
+            "config": config,
+            "label": label,
+            "opt_step_median_ms": statistics.median(opt_ms),
+            "opt_step_min_ms": min(opt_ms),
+            "opt_step_max_ms": max(opt_ms),
+            "whole_step_median_ms": statistics.median(whole_ms),
+            "whole_step_min_ms": min(whole_ms),
+            "whole_step_max_ms": max(whole_ms),
+            "opt_step_ms_per_rank": [_ms(r["opt_s"][config]) for r in ranks],
+            "whole_step_ms_per_rank": [_ms(r["whole_s"][config]) for r in ranks],
+            "max_param_diff_vs_fusetrain": r0["max_param_diff_vs_fusetrain"][config],
+        }
+        if config != BASELINE:
+            row["opt_step_speedup"] = statistics.median(r0["opt_s"][config]) / base_opt
+            row["opt_step_best_of_speedup"] = min(r0["opt_s"][config]) / min(r0["opt_s"][BASELINE])
+            row["whole_step_speedup"] = statistics.median(r0["whole_s"][config]) / base_whole
+            row["goal"] = GOALS[config]
+            row["meets_goal"] = row["opt_step_speedup"] >= GOALS[config]
+        rows.append(row)
+
+    print()
+    print(f"{r0['nparams'] / 1e6:.2f}M parameters in {r0['ntensors']} tensors; rank 0's medians (min-max) over "
+          f"{args.steps} iterations")
+    print("| optimizer | opt.step() ms | whole step ms | opt.step() ours faster | best-of | whole step | goal |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        fmt = (f"{row['opt_step_median_ms']:.2f} ({row['opt_step_min_ms']:.2f}-{row['opt_step_max_ms']:.2f})",
+               f"{row['whole_step_median_ms']:.1f} ({row['whole_step_min_ms']:.1f}-{row['whole_step_max_ms']:.1f})")
+        if row["config"] == BASELINE:
+            print(f"| {row['label']} | {fmt[0]} | {fmt[1]} | (baseline) | | | |")
+        else:
+            met = "met" if row["meets_goal"] else "NOT met"
+            print(f"| {row['label']} | {fmt[0]} | {fmt[1]} | {row['opt_step_speedup']:.2f}x | "
+                  f"{row['opt_step_best_of_speedup']:.2f}x | {row['whole_step_speedup']:.2f}x | "
+                  f">= {row['goal']:.1f}x {met} |")
+    diff = r0["max_param_diff_vs_fusetrain"]["torch_fused"]
+    print(f"\nfinal parameters, FusedAdamW vs torch's fused AdamW: max |difference| {diff:.2e} "
+          f"({'ok' if diff <= MATCH_TOL else 'OVER'} the {MATCH_TOL:g} bound)")
+    if cores and load_start[0] > cores / 2:
+        print(f"WARNING: load average {load_start[0]:.2f} on {cores} cores before the run: the machine was busy")
+
+    out_dir = HERE / "results"
+    out_dir.mkdir(exist_ok=True)
+    tiny = "-tiny" if args.size == "tiny" else ""
+    out = out_dir / f"fsdp2{tiny}-{machine_slug(dict(probed, cpu_model=cpu, cpu_cores=cores))}-" \
+                    f"{datetime.date.today().isoformat()}.json"
+    payload = {
+        "benchmark": "fsdp2",
+        "machine": info,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "model": f"GPT {size}, float32, fully_shard per block and at the root, cross-entropy",
+        "nparams": r0["nparams"],
+        "ntensors": r0["ntensors"],
+        "batch_per_rank": [BATCH, size["context"]],
+        "lr": LR,
+        "weight_decay": WEIGHT_DECAY,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "timing": ("one pair of processes holds all three configurations; every iteration visits each (order "
+                   "rotated by one per iteration): a barrier, then one training step timed whole and opt.step() "
+                   "alone; medians of rank 0; *_speedup: torch's median / FusedAdamW's"),
+        "goals": {f"opt_step_speedup {c}": f">= {g}" for c, g in GOALS.items()},
+        "max_param_diff_bound": MATCH_TOL,
+        "rows": rows,
+    }
+    out.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"\nwrote {out.relative_to(HERE.parent)}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
