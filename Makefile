@@ -5,7 +5,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-.PHONY: deps configure build test kernel-mutants train bench gpu-check gpu-deps clean format
+.PHONY: deps configure build test kernel-mutants train bench docs gpu-check gpu-deps clean format
 
 deps:
 	@scripts/install-deps.sh
@@ -33,6 +33,12 @@ train: build
 
 bench: build
 	$(PYTHON) bench/run.py
+
+# The documentation site (docs/, Sphinx + MyST) into $(BUILD)/docs/html, warnings
+# as errors. The reference pages are generated from the built package, the
+# trainer's --print-schema and the C++ headers, so it needs the build first.
+docs: build
+	FUSETRAIN_BUILD_DIR=$(abspath $(BUILD)) $(PYTHON) -m sphinx -W --keep-going -q -b html docs $(BUILD)/docs/html
 
 # On the GPU box (torch, nvcc, cmake there; no apt): PYTHON=python3 is its torch.
 gpu-check:

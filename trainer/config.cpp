@@ -611,4 +611,89 @@ std::string describe_schema() {
   return out.str();
 }
 
+namespace {
+
+std::string json_string(const std::string& text) {
+  std::string out = "\"";
+  for (const unsigned char c : text) {
+    switch (c) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (c < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+          out += buf;
+        } else {
+          out += static_cast<char>(c);
+        }
+    }
+  }
+  return out + "\"";
+}
+
+// The shortest text that reads back as `v` (1e-12, not 9.9999999999999998e-13).
+std::string json_number(double v) {
+  char buf[64];
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::snprintf(buf, sizeof(buf), "%.*g", precision, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  return buf;
+}
+
+const char* json_type(KeyType t) {
+  switch (t) {
+    case KeyType::kInt: return "int";
+    case KeyType::kFloat: return "float";
+    case KeyType::kBool: return "bool";
+    case KeyType::kString: return "string";
+    case KeyType::kIntList: return "int_list";
+  }
+  return "";
+}
+
+// The default in its JSON type; the schema's defaults are checked at start
+// (Config()), so they parse.
+std::string json_default(const KeySpec& s) {
+  switch (s.type) {
+    case KeyType::kInt: return s.default_value;
+    case KeyType::kFloat: {
+      double v = 0;
+      parse_float(s.default_value, v);
+      return canonical_float(v);  // 1.0, not 1: a float in every JSON reader
+    }
+    case KeyType::kBool: {
+      bool b = false;
+      parse_bool(s.default_value, b);
+      return b ? "true" : "false";
+    }
+    case KeyType::kString: return json_string(s.default_value);
+    case KeyType::kIntList: return "[" + join(split_list(s.default_value), ", ") + "]";
+  }
+  return "null";
+}
+
+}  // namespace
+
+std::string schema_json() {
+  std::ostringstream out;
+  out << "{\"keys\": [";
+  bool first = true;
+  for (const auto& s : config_schema()) {
+    out << (first ? "\n" : ",\n") << "  {\"key\": " << json_string(s.key)
+        << ", \"section\": " << json_string(section_of(s.key)) << ", \"type\": \""
+        << json_type(s.type) << "\", \"default\": " << json_default(s) << ", \"choices\": [";
+    for (size_t i = 0; i < s.choices.size(); ++i) out << (i ? ", " : "") << json_string(s.choices[i]);
+    out << "], \"min\": " << (s.min > -kInf ? json_number(s.min) : "null")
+        << ", \"max\": " << (s.max < kInf ? json_number(s.max) : "null")
+        << ", \"help\": " << json_string(s.help) << "}";
+    first = false;
+  }
+  out << "\n]}\n";
+  return out.str();
+}
+
 }  // namespace fusetrain::trainer

@@ -83,4 +83,11 @@ class Config {
 /// Text listing the schema (key, default, accepted values, help) for --help.
 std::string describe_schema();
 
+/// The schema as JSON, for tools and the documentation's config reference:
+/// {"keys": [{"key", "section", "type", "default", "choices", "min", "max",
+/// "help"}, ...]} in schema order. "type" is one of int, float, bool,
+/// string, int_list; "default" is typed (a number, a boolean, a string or a
+/// list); "min"/"max" are null where unbounded.
+std::string schema_json();
+
 }  // namespace fusetrain::trainer

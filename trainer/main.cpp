@@ -190,6 +190,8 @@ int run_train(int argc, char** argv) {
        cxxopts::value<std::string>())
       ("print-config", "print the resolved configuration and exit")
       ("list-keys", "list every configuration key with its default and accepted values")
+      ("print-schema", "print the configuration schema as JSON (key, type, default, accepted "
+                       "values, meaning) and exit")
       ("config-name", "name of the run's configuration (set by the launcher for its ranks)",
        cxxopts::value<std::string>())
       ("h,help", "show this help");
@@ -201,6 +203,10 @@ int run_train(int argc, char** argv) {
   }
   if (!args.unmatched().empty()) {
     throw ft::UsageError("unexpected argument \"" + args.unmatched().front() + "\"");
+  }
+  if (args.count("print-schema")) {
+    std::cout << ft::schema_json();
+    return 0;
   }
   if (args.count("list-keys")) {
     std::cout << "Configuration keys (section.key = default  meaning; accepted values):\n"

@@ -17,7 +17,7 @@ per-tensor scale, chosen by a :class:`Float8Recipe` (Note [Float8 scaling] in
 
     scale = fp8_max / amax / 2**margin      (448 for e4m3, 57344 for e5m2)
 
-- ``"current"`` scaling: ``amax`` is this tensor's own max |x|: two passes
+- ``"current"`` scaling: ``amax`` is this tensor's own ``max |x|``: two passes
   over it (the amax, then the cast).
 - ``"delayed"`` scaling: ``amax`` is the largest of the last
   ``amax_history_len`` amaxes of the operand (the first call seeds the

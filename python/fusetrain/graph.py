@@ -1,5 +1,5 @@
 """Step fusion: several training steps per execution (Keras'
-``steps_per_execution``), with no host synchronisation between them.
+``steps_per_execution``), with no host synchronisation between them::
 
     def train_step(x, y):
         with fusetrain.amp.autocast("mixed_bfloat16"):

@@ -659,3 +659,25 @@ def test_config_overrides_are_parsed(tmp_path):
     again = tmp_path / "again.yaml"
     again.write_text(p.stdout)
     assert ok(run("train", "--config", again, "--print-config")).stdout == p.stdout
+
+
+def test_print_schema_is_the_schema_as_json():
+    """--print-schema: every key --list-keys lists, with its type, a default
+    of that type, accepted values and meaning (docs/reference/config.md is
+    generated from it)."""
+    p = ok(run("train", "--print-schema"))
+    keys = json.loads(p.stdout)["keys"]
+    by_key = {k["key"]: k for k in keys}
+    listed = ok(run("train", "--list-keys")).stdout
+    assert len(by_key) == len(keys) > 50
+    for k in keys:
+        assert f"  {k['key']} = " in listed, k["key"]
+        assert k["section"] == k["key"].split(".")[0] and k["help"]
+        expected = {"int": int, "float": float, "bool": bool, "string": str, "int_list": list}[k["type"]]
+        assert type(k["default"]) is expected, k
+    assert by_key["optimizer.lr"] == {"key": "optimizer.lr", "section": "optimizer", "type": "float",
+                                      "default": 0.001, "choices": [], "min": 0, "max": None,
+                                      "help": "peak learning rate"}
+    assert by_key["model.channels"]["default"] == [16, 32]
+    assert by_key["precision.policy"]["choices"][0] == "auto" and by_key["precision.policy"]["default"] == "auto"
+    assert by_key["data.std"]["min"] == pytest.approx(1e-12)

@@ -1,0 +1,305 @@
+"""The documentation's examples run, and the site builds.
+
+- Every ``python`` block of ``docs/*.md`` and ``README.md`` runs: the blocks
+  of a page in order, in one fresh interpreter (a page may build on its
+  earlier blocks), in a temporary directory, as rank 0 of a world of one.
+  ``<!-- docs-test: needs cuda -->`` (or ``needs tpu``) on the line before a
+  block runs it only where that device is present: the CUDA ones in ``make
+  gpu-check`` (``pytest -m cuda``), after the page's other blocks.
+- ``sh`` blocks marked ``<!-- docs-test: run -->`` run from the repository
+  root (``build/fusetrain`` is the build under test).
+- ``cpp`` blocks compile (in one file, each inside a function that sees the
+  names of ``_CPP_PRELUDE``), or are excerpts of a tested program
+  (``<!-- docs-test: excerpt FILE -->``: the block's lines appear in FILE,
+  ``// ...`` standing for lines left out), or say they are not compiled
+  (``<!-- docs-test: fragment -->``).
+- ``make docs``'s Sphinx build passes with warnings as errors, so a broken
+  reference, link or docstring fails here.
+
+The convention is documented in docs/architecture.md ("Documentation").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+BUILD = Path(os.environ.get("FUSETRAIN_BUILD_DIR", ROOT / "build"))
+PAGES = sorted(DOCS.rglob("*.md")) + [ROOT / "README.md"]
+MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(.*?)\s*-->\s*$")
+FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([^\s`]*)")
+KNOWN_DEVICES = ("cuda", "tpu")
+
+
+@dataclass
+class Block:
+    page: Path
+    line: int  # of the first code line, 1-based
+    lang: str
+    code: str
+    marker: Optional[str]
+
+    @property
+    def where(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def code_blocks(page: Path) -> List[Block]:
+    """The fenced code blocks of a Markdown page, each with the docs-test
+    marker on the last non-blank line before it (None without one)."""
+    lines = page.read_text().splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, fence, lang = len(m.group(1)), m.group(2), m.group(3)
+        j = i - 1
+        while j >= 0 and not lines[j].strip():
+            j -= 1
+        marker = MARKER.match(lines[j]).group(1) if j >= 0 and MARKER.match(lines[j]) else None
+        body, k = [], i + 1
+        while k < len(lines) and not lines[k].strip().startswith(fence):
+            body.append(lines[k][indent:] if lines[k][:indent].strip() == "" else lines[k])
+            k += 1
+        blocks.append(Block(page, i + 2, lang, "\n".join(body) + "\n", marker))
+        i = k + 1
+    return blocks
+
+
+ALL_BLOCKS = [b for page in PAGES for b in code_blocks(page)]
+PYTHON_PAGES = sorted({b.page for b in ALL_BLOCKS if b.lang == "python"})
+
+
+def _device_present(device: str) -> bool:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.is_available()
+    import fusetrain
+
+    return fusetrain.tpu_available()
+
+
+_PATH = re.compile(r"`((?:csrc|python|trainer|tests|bench|scripts|configs|examples|docs|cmake)/[^`\s]*)`")
+
+
+def test_paths_named_in_the_docs_exist():
+    """A file or folder a page names in backticks (`csrc/ops/generic.cpp`,
+    `tests/cuda_emulator/`) is there: the pages follow the source layout."""
+    missing = []
+    for page in PAGES:
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            for path in _PATH.findall(line):
+                path = path.rstrip(".,:;)")
+                if any(c in path for c in "<>{}$") or "..." in path or "NAME" in path:
+                    continue  # a pattern or placeholder (csrc/kernels/NAME.cu), not a path
+                if not (list(ROOT.glob(path)) if "*" in path else (ROOT / path).exists()):
+                    missing.append(f"{page.relative_to(ROOT)}:{n}: {path}")
+    # Links of the READMEs, which Sphinx does not check (docs/ links it does).
+    for page in (ROOT / "README.md", ROOT / "trainer" / "README.md"):
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", line):
+                if not (page.parent / target).exists():
+                    missing.append(f"{page.relative_to(ROOT)}:{n}: link to {target}")
+    assert not missing, "paths named in the docs that do not exist:\n" + "\n".join(missing)
+
+
+def test_every_marker_is_known():
+    """A marker the tests do not understand would silently skip its block."""
+    for b in ALL_BLOCKS:
+        if b.marker is None:
+            continue
+        if b.lang == "python":
+            kind, _, device = b.marker.partition(" ")
+            assert kind == "needs" and device in KNOWN_DEVICES, (
+                f"{b.where}: a python block runs unless marked `needs cuda` or `needs tpu`, got {b.marker!r}")
+        elif b.lang in ("sh", "bash"):
+            assert b.marker == "run", f"{b.where}: a shell block's only marker is `run`, got {b.marker!r}"
+        elif b.lang == "cpp":
+            kind, _, arg = b.marker.partition(" ")
+            assert kind in ("excerpt", "fragment"), f"{b.where}: unknown cpp marker {b.marker!r}"
+            if kind == "excerpt":
+                assert (ROOT / arg).is_file(), f"{b.where}: excerpt of {arg}, which does not exist"
+        else:
+            pytest.fail(f"{b.where}: no docs-test marker applies to a {b.lang!r} block")
+
+
+@pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.lang == "cpp" and b.marker
+                                   and b.marker.startswith("excerpt ")], ids=lambda b: b.where)
+def test_cpp_excerpts_match_their_program(block):
+    source = [line.strip() for line in (ROOT / block.marker.split(None, 1)[1]).read_text().splitlines()]
+    segments, current = [], []
+    for line in block.code.splitlines():
+        if line.strip() == "// ...":
+            segments.append(current)
+            current = []
+        else:
+            current.append(line.strip())
+    segments.append(current)
+    pos = 0
+    for segment in filter(None, segments):
+        for start in range(pos, len(source) - len(segment) + 1):
+            if source[start:start + len(segment)] == segment:
+                pos = start + len(segment)
+                break
+        else:
+            pytest.fail(f"{block.where}: these lines are not in {block.marker.split(None, 1)[1]} "
+                        f"(in this order, after the previous ones):\n" + "\n".join(segment))
+
+
+# The names the C++ guide's examples use without declaring them: each block
+# becomes a member function of this struct, so it sees these as a reader's
+# program would have them.
+_CPP_PRELUDE = r"""
+#include <fusetrain/fusetrain.h>
+
+#include <torch/torch.h>
+
+#include <utility>
+#include <vector>
+
+using Net = torch::nn::Sequential;
+
+struct DocsExample {
+  Net net{torch::nn::Linear(64, 10)};
+  at::Tensor x, y;
+  std::vector<std::pair<at::Tensor, at::Tensor>> this_ranks_batches;
+  std::vector<std::vector<at::Tensor>> batches;
+  fusetrain::optim::FusedAdamW opt{net->parameters(), fusetrain::optim::FusedAdamWOptions(1e-3)};
+  fusetrain::amp::GradScaler scaler{torch::kCPU};
+  c10::intrusive_ptr<c10d::ProcessGroup> group;
+"""
+
+
+def test_cpp_examples_compile(tmp_path):
+    """Every unmarked cpp block compiles (a syntax and type check against
+    the headers, with the names of _CPP_PRELUDE in scope): the C++ guide
+    cannot name a class, method or option the library lacks."""
+    import torch.utils.cpp_extension
+
+    blocks = [b for b in ALL_BLOCKS if b.lang == "cpp" and b.marker is None]
+    if not blocks:
+        pytest.skip("no C++ example to compile")
+    compiler = os.environ.get("CXX", "c++")
+    include = tmp_path / "include"
+    include.mkdir()
+    (include / "fusetrain").symlink_to(ROOT / "csrc")
+    source = [_CPP_PRELUDE]
+    for i, b in enumerate(blocks):
+        source += [f"  void example_{i}() {{", f'#line {b.line} "{b.page.relative_to(ROOT)}"', b.code, "  }"]
+    source.append("};")
+    (tmp_path / "examples.cpp").write_text("\n".join(source))
+    cmd = [compiler, "-std=gnu++17", "-fsyntax-only", "-DUSE_C10D_GLOO", "-DUSE_DISTRIBUTED",
+           f"-I{include}", *[f"-isystem{p}" for p in torch.utils.cpp_extension.include_paths()],
+           str(tmp_path / "examples.cpp")]
+    p = _run(cmd, cwd=tmp_path, env=dict(os.environ), timeout=300)
+    assert p.returncode == 0, p.stdout[-8000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Runs the blocks it reads from stdin (JSON) in one namespace; a failing block
+# prints where it is and exits 1.
+_RUNNER = r"""
+import json, sys, traceback
+blocks = json.load(sys.stdin)
+ns = {"__name__": "__main__"}
+for b in blocks:
+    print(f"--- {b['where']}", flush=True)
+    try:
+        exec(compile(b["code"], b["where"], "exec"), ns)
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        print(f"FAILED: the example at {b['where']}", flush=True)
+        sys.exit(1)
+"""
+
+
+def _run(cmd, *, cwd, env, timeout, stdin=None) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(stdin, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd))}: no result in {timeout} s\n{out[-4000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def _run_page(page: Path, tmp_path: Path, devices: tuple) -> None:
+    """Runs the page's python blocks in order in one interpreter: the
+    unmarked ones, and those that need one of `devices`."""
+    runnable = [{"where": b.where, "code": b.code} for b in code_blocks(page)
+                if b.lang == "python" and (b.marker is None or b.marker.split()[1] in devices)]
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1", MPLBACKEND="Agg", TOKENIZERS_PARALLELISM="false",
+               HF_HUB_OFFLINE="1")
+    p = _run([sys.executable, "-c", _RUNNER], cwd=tmp_path, env=env, timeout=300, stdin=json.dumps(runnable))
+    assert p.returncode == 0, p.stdout[-6000:]
+
+
+@pytest.mark.parametrize("page", PYTHON_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_python_examples_run(page, tmp_path):
+    """The CPU's examples (and a TPU's, where torch_tpu sees one)."""
+    _run_page(page, tmp_path, ("tpu",) if _device_present("tpu") else ())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("page", sorted({b.page for b in ALL_BLOCKS if b.lang == "python" and b.marker == "needs cuda"}),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_cuda_examples_run(page, tmp_path):
+    """The examples marked `needs cuda`, after their page's others (make gpu-check)."""
+    _run_page(page, tmp_path, ("cuda",))
+
+
+@pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.lang in ("sh", "bash") and b.marker == "run"],
+                         ids=lambda b: b.where)
+def test_marked_shell_examples_run(block):
+    assert (BUILD / "fusetrain").exists(), f"{BUILD / 'fusetrain'} is missing: make build"
+    code = block.code.replace("build/fusetrain", str(BUILD / "fusetrain"))
+    p = _run(["bash", "-e", "-c", code], cwd=ROOT, env=dict(os.environ), timeout=120)
+    assert p.returncode == 0, f"{block.where}:\n{p.stdout[-4000:]}"
+
+
+def test_sphinx_build_has_no_warnings(tmp_path):
+    """`make docs` (warnings are errors): every page, link, cross-reference
+    and generated reference (autodoc, the config schema, the C++ headers)."""
+    missing = [m for m in ("sphinx", "myst_parser", "furo") if _missing(m)]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed: pip install \".[docs]\" (scripts/install-deps.sh does)")
+    env = dict(os.environ, FUSETRAIN_BUILD_DIR=str(BUILD), OMP_NUM_THREADS="1")
+    p = _run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", "-d",
+              str(tmp_path / "doctrees"), str(DOCS), str(tmp_path / "html")], cwd=ROOT, env=env, timeout=300)
+    assert p.returncode == 0, p.stdout[-8000:]
+    html = (tmp_path / "html" / "reference" / "config.html").read_text()
+    assert "optimizer.lr" in html and "precision.policy" in html  # the generated tables are there
+    assert "GradScaler" in (tmp_path / "html" / "reference" / "cpp.html").read_text()
+    assert "FusedAdamW" in (tmp_path / "html" / "reference" / "python.html").read_text()
+
+
+def _missing(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is None
