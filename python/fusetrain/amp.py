@@ -105,14 +105,20 @@ class Policy:
 
     @property
     def compute_dtype(self) -> torch.dtype:
+        """The dtype autocast computes in: float16 for ``"mixed_float16"``,
+        bfloat16 for ``"mixed_bfloat16"`` and ``"mixed_float8"`` (its
+        non-float8 ops), float32 for ``"float32"``."""
         return _POLICY_DTYPES[self._name]
 
     @property
     def variable_dtype(self) -> torch.dtype:
+        """The dtype the variables (parameters) are kept in: float32 under
+        every policy."""
         return torch.float32
 
     @property
     def is_mixed(self) -> bool:
+        """True for every policy but ``"float32"``: compute runs under autocast."""
         return self._name != "float32"
 
     @property
@@ -571,7 +577,25 @@ def _torch_assertions():
 class GradScaler:
     """Dynamic loss scaling; a drop-in for ``torch.amp.GradScaler``.
 
-    Arguments as torch's, plus:
+    Arguments as torch's (a value out of range is a ``ValueError``):
+
+    - ``device``: the device type the gradients are on (default ``"cuda"``;
+      ``"cpu"``, or any device that holds data, a ``"tpu"`` through
+      torch_tpu; ``"meta"`` is a ``ValueError``). An enabled ``"cuda"``
+      scaler without CUDA warns and disables itself, as torch's.
+    - ``init_scale``: the scale before the first update (default ``2.0**16``;
+      must be > 0).
+    - ``growth_factor``: what the scale is multiplied by after
+      ``growth_interval`` steps without inf/NaN (default 2.0; must be > 1).
+    - ``backoff_factor``: what the scale is multiplied by after an overflow
+      (default 0.5; must be in (0, 1)).
+    - ``growth_interval``: consecutive steps without inf/NaN before the scale
+      grows (default 2000; must be > 0).
+    - ``enabled``: False turns scaling off (default True): ``scale`` returns
+      its argument, ``step`` just calls ``optimizer.step``, ``unscale_`` and
+      ``update`` do nothing.
+
+    Beyond torch (keyword-only):
 
     - ``max_scale``: growth never takes the scale above this (default: no cap).
     - ``hysteresis``: overflows tolerated before backing off the scale; each
@@ -765,31 +789,44 @@ class GradScaler:
         return self._core.get_scale()
 
     def get_growth_factor(self) -> float:
+        """The factor the scale grows by (``growth_factor``)."""
         return self._core.get_growth_factor()
 
     def set_growth_factor(self, new_factor: float) -> None:
+        """Sets the growth factor to ``new_factor`` for the next updates
+        (unchecked, as torch's)."""
         self._core.set_growth_factor(float(new_factor))
 
     def get_backoff_factor(self) -> float:
+        """The factor the scale backs off by (``backoff_factor``)."""
         return self._core.get_backoff_factor()
 
     def set_backoff_factor(self, new_factor: float) -> None:
+        """Sets the backoff factor to ``new_factor`` for the next updates
+        (unchecked, as torch's)."""
         self._core.set_backoff_factor(float(new_factor))
 
     def get_growth_interval(self) -> int:
+        """Steps without inf/NaN before the scale grows (``growth_interval``)."""
         return self._core.get_growth_interval()
 
     def set_growth_interval(self, new_interval: int) -> None:
+        """Sets the growth interval to ``new_interval`` steps for the next
+        updates (unchecked, as torch's)."""
         self._core.set_growth_interval(int(new_interval))
 
     def get_max_scale(self) -> Optional[float]:
+        """The cap on the scale (``max_scale``); None when there is none."""
         m = self._core.get_max_scale()
         return None if m == float("inf") else m
 
     def get_hysteresis(self) -> int:
+        """Overflows tolerated before backing off (``hysteresis``)."""
         return self._core.get_hysteresis()
 
     def is_enabled(self) -> bool:
+        """Whether the scaler scales: False when constructed with
+        ``enabled=False`` or disabled for want of CUDA."""
         return self._core.is_enabled()
 
     def _stage(self, optimizer) -> OptState:
@@ -805,6 +842,13 @@ class GradScaler:
         return self._core.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Restores the scale, factors, interval and trackers from
+        ``state_dict`` (a :meth:`state_dict` of this class or of
+        ``torch.amp.GradScaler``; ``max_scale``, ``hysteresis`` and
+        ``_overflow_tracker`` where it holds them). Values are numbers or
+        one-element tensors. An empty dict (saved from a disabled scaler) or a
+        missing torch key is a ``RuntimeError``; a disabled scaler ignores the
+        call."""
         self._core.load_state_dict(dict(state_dict))
 
     def __getstate__(self) -> dict:

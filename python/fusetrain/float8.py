@@ -281,8 +281,13 @@ class _Float8LinearFunction(torch.autograd.Function):
 class Float8Linear(torch.nn.Linear):
     """``nn.Linear`` with float8 GEMMs (see the module docstring).
 
-    Same constructor as ``torch.nn.Linear`` plus ``recipe`` (a
-    :class:`Float8Recipe`, ``"delayed"`` or ``"current"``). Parameters and
+    ``Float8Linear(in_features, out_features, bias=True, device=None,
+    dtype=None, recipe=None)``: the constructor of ``torch.nn.Linear``
+    (``in_features`` and ``out_features`` the layer's sizes, ``bias`` whether
+    it adds one, ``device`` and ``dtype`` those of its parameters) plus
+    ``recipe``: a :class:`Float8Recipe`, or ``"delayed"`` / ``"current"`` for
+    that recipe's defaults (default None: ``Float8Recipe()``, delayed
+    scaling); anything else is a ``TypeError``. Parameters and
     their state-dict keys are ``nn.Linear``'s; the scaling state adds the
     buffers ``fp8_scale``, ``fp8_amax_history`` and ``fp8_seeded``. Loading an ``nn.Linear``
     state dict (without them) starts the scaling state afresh.
@@ -313,7 +318,10 @@ class Float8Linear(torch.nn.Linear):
     def from_linear(cls, linear: torch.nn.Linear,
                     recipe: Union[Float8Recipe, str, None] = None) -> "Float8Linear":
         """A Float8Linear sharing ``linear``'s parameters (the same Parameter
-        objects, so an optimizer made before still updates them)."""
+        objects, so an optimizer made before still updates them), scaled by
+        ``recipe`` (as the constructor's: a :class:`Float8Recipe`,
+        ``"delayed"``, ``"current"`` or None for the default). ``linear`` must
+        be an ``nn.Linear`` (a ``TypeError`` otherwise)."""
         if not isinstance(linear, torch.nn.Linear):
             raise TypeError(f"Float8Linear.from_linear expects an nn.Linear, got {type(linear).__name__}")
         new = cls.__new__(cls)
@@ -326,6 +334,12 @@ class Float8Linear(torch.nn.Linear):
         return new
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """``input @ weight.T + bias`` with the GEMM in float8 (``input`` of
+        shape ``[..., in_features]``). In training the operands' scales come
+        from the recipe and update the layer's scaling state; in evaluation each tensor is
+        scaled by its own amax and the state is left alone. Runs on the CPU
+        and on CUDA GPUs of compute capability >= 8.9 (in and out features
+        multiples of 16 there); elsewhere a ``RuntimeError``."""
         if getattr(self, "_fusetrain_float32", False):
             return F.linear(input, self.weight, self.bias)
         _check_fp8_device(input.device)
@@ -396,4 +410,5 @@ class Float8Linear(torch.nn.Linear):
             self._fp8_seeded = [bool(s) for s in self.fp8_seeded.tolist()]
 
     def extra_repr(self) -> str:
+        """``nn.Linear``'s, with the recipe."""
         return f"{super().extra_repr()}, recipe={self.recipe}"

@@ -64,7 +64,28 @@ def _as_tensors(batch: Any, where: str) -> List[torch.Tensor]:
 
 
 class FusedSteps:
-    """``steps_per_execution`` steps of ``step_fn`` per call; see the module doc."""
+    """``steps_per_execution`` steps of ``step_fn`` per call; see the module doc.
+
+    What :func:`fuse_steps` returns; its arguments are that function's:
+
+    - ``step_fn``: one training step; takes one batch (the tensors of a tuple
+      or list batch as separate arguments) and returns a tensor that stays on
+      the device.
+    - ``sample_batch``: a tensor or a tuple/list of tensors; every batch must
+      have its shapes, dtypes and devices (its first tensor's device decides
+      CUDA graph or compile).
+    - ``steps_per_execution``: K, the steps per call (default 1; must be >= 1).
+    - ``warmup_executions`` (keyword): executions run eagerly before the
+      capture (default None: enough for 11 eager steps, and at least 2;
+      must be >= 0).
+    - ``use_cuda_graph`` (keyword, default True): on CUDA, capture the K
+      steps as a CUDA graph; False runs them back to back.
+    - ``use_compile`` (keyword, default None: True on a TPU, else False):
+      compile the K steps with ``torch.compile`` instead (any device).
+    - ``compile_backend`` (keyword): ``torch.compile``'s ``backend`` (default
+      None: a dynamo backend named after the device type where one is
+      registered, else ``"inductor"``).
+    """
 
     def __init__(
         self,

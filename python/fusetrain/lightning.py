@@ -259,7 +259,10 @@ class FusetrainPrecision(Precision):
         self, model: Module, optimizers: List[Optimizer], lr_schedulers: List[Any]
     ) -> Tuple[Module, List[Optimizer], List[Any]]:
         """Called by the strategy once the model is on its device: the
-        autocast device type (unless given) becomes the parameters'."""
+        autocast device type (unless given) becomes that of ``model``'s first
+        floating-point parameter (the scaler made for another device is
+        remade for it). ``optimizers`` and ``lr_schedulers`` pass through;
+        returns the three as Lightning's ``Precision.connect``."""
         param = next((p for p in model.parameters() if p.is_floating_point()), None)
         if self._device is None and param is not None:
             self._device = param.device.type
@@ -270,7 +273,9 @@ class FusetrainPrecision(Precision):
     # ---------------------------------------------------- backward and step
 
     def pre_backward(self, tensor: torch.Tensor, module: "pl.LightningModule") -> torch.Tensor:  # type: ignore[override]
-        """Scales the loss (with a scaler) before Lightning's hooks see it."""
+        """Scales the loss ``tensor`` (with a scaler) before Lightning's hooks
+        see it, then Lightning's ``pre_backward`` of the LightningModule
+        ``module``; returns the (scaled) loss."""
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
         return super().pre_backward(tensor, module)
@@ -287,10 +292,13 @@ class FusetrainPrecision(Precision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        """Runs the closure (forward and backward), Lightning's
-        ``on_before_optimizer_step`` hooks and clipping, then the step:
-        through the scaler (skipped on overflow, scale updated) when there
-        is one."""
+        """Runs the ``closure`` (forward and backward), Lightning's
+        ``on_before_optimizer_step`` hooks and clipping, then the step of
+        ``optimizer`` (further keyword arguments go to it): through the
+        scaler (skipped on overflow, scale updated) when there is one.
+        ``model`` is the LightningModule; a ``training_step`` that returned
+        None (automatic optimization) steps nothing. LBFGS with a scaler is
+        refused (``MisconfigurationException``), as Lightning refuses it."""
         try:
             if self.scaler is None:
                 return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
@@ -319,9 +327,12 @@ class FusetrainPrecision(Precision):
         clip_val: Union[int, float] = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Clips the gradients (Lightning's ``gradient_clip_val`` /
-        ``gradient_clip_algorithm``): by norm inside the step of fusetrain's
-        optimizers, else on unscaled gradients here."""
+        """Clips the gradients of ``optimizer`` to ``clip_val`` (Lightning's
+        ``gradient_clip_val``; None or <= 0 clips nothing) by
+        ``gradient_clip_algorithm`` (``"norm"``, the default, or
+        ``"value"``): by norm inside the step of fusetrain's optimizers, else
+        on unscaled gradients here. By value with sharded gradients
+        (``"fusetrain_ddp_zero"``) is a ``ValueError``."""
         if clip_val is None or clip_val <= 0:
             return
         optimizer = _raw(optimizer)
@@ -484,8 +495,9 @@ class FusetrainDDPStrategy(DDPStrategy):
             )
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        """Manual optimization: arms the reducer for the backward that
-        ``manual_backward`` runs inside ``training_step``."""
+        """Manual optimization: arms the reducer for the backward of
+        ``closure_loss`` that ``manual_backward`` runs inside
+        ``training_step`` (automatic optimization: the forward armed it)."""
         model = self.model
         if not isinstance(model, DistributedDataParallel):
             return super().pre_backward(closure_loss)
@@ -496,8 +508,9 @@ class FusetrainDDPStrategy(DDPStrategy):
         return None
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        """Nothing to do for fusetrain's DDP (Lightning's DDP flushes torch's
-        static-graph reducer here)."""
+        """Nothing to do for fusetrain's DDP after the backward of
+        ``closure_loss`` (Lightning's DDP flushes torch's static-graph reducer
+        here)."""
         if isinstance(self.model, DistributedDataParallel):
             return None
         return super().post_backward(closure_loss)
@@ -511,8 +524,8 @@ class FusetrainDDPStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Registers ``"fusetrain_ddp"`` in Lightning's ``StrategyRegistry``
-        (done when ``fusetrain.lightning`` is imported)."""
+        """Registers ``"fusetrain_ddp"`` in ``strategy_registry``, Lightning's
+        ``StrategyRegistry`` (done when ``fusetrain.lightning`` is imported)."""
         strategy_registry.register(
             "fusetrain_ddp",
             cls,
@@ -561,7 +574,10 @@ class FusetrainDDPZeroStrategy(FusetrainDDPStrategy):
         }
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
-        """``configure_optimizers``' optimizers, each sharded."""
+        """``configure_optimizers``' optimizers of ``trainer``'s LightningModule,
+        each replaced by a ``ZeroRedundancyOptimizer`` of its class, groups
+        and options, their LR schedulers pointed at the replacement. An
+        optimizer that already has state is a ``ValueError``."""
         super().setup_optimizers(trainer)
         sharded = [self._shard(opt) for opt in self.optimizers]
         for old, new in zip(self.optimizers, sharded):
@@ -596,7 +612,9 @@ class FusetrainDDPZeroStrategy(FusetrainDDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Registers ``"fusetrain_ddp_zero"`` in Lightning's ``StrategyRegistry``."""
+        """Registers ``"fusetrain_ddp_zero"`` in ``strategy_registry``,
+        Lightning's ``StrategyRegistry`` (done when ``fusetrain.lightning`` is
+        imported)."""
         strategy_registry.register(
             "fusetrain_ddp_zero",
             cls,

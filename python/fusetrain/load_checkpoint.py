@@ -32,7 +32,9 @@ __all__ = ["load_checkpoint", "checkpoint_config", "build_model", "load_model", 
 
 
 def load_checkpoint(path: str) -> Dict[str, torch.Tensor]:
-    """The checkpoint's tensors, on the CPU."""
+    """The tensors of the checkpoint file at ``path``, on the CPU (read with
+    ``weights_only=True``). A file that is not a ``fusetrain train``
+    checkpoint (no ``config.yaml`` entry) is a ``ValueError``."""
     ckpt = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(ckpt, dict) or "config.yaml" not in ckpt:
         raise ValueError(f"{path} is not a checkpoint written by fusetrain train (no config.yaml entry)")
@@ -82,7 +84,8 @@ def _parse_config(text: str) -> Dict[str, Dict[str, object]]:
 
 
 def checkpoint_config(ckpt: Dict[str, torch.Tensor]) -> Dict[str, Dict[str, object]]:
-    """The run configuration stored in the checkpoint: ``{section: {key: value}}``."""
+    """The run configuration stored in the checkpoint ``ckpt`` (what
+    :func:`load_checkpoint` returns): ``{section: {key: value}}``."""
     return _parse_config(_text(ckpt["config.yaml"]))
 
 
@@ -291,10 +294,13 @@ def build_model(config, input_shape: Optional[List[int]] = None,
 
 
 def load_model(path: str) -> nn.Module:
-    """The trained model of a ``fusetrain train`` checkpoint as a float32
-    ``torch.nn.Module`` in eval mode, giving the trainer's predictions for
-    inputs normalised as the trainer's (see ``preprocess``). The model's
-    ``input_mean`` and ``input_std`` attributes hold that normalisation."""
+    """The trained model of the ``fusetrain train`` checkpoint at ``path`` as
+    a float32 ``torch.nn.Module`` in eval mode, giving the trainer's
+    predictions for inputs normalised as the trainer's (see ``preprocess``).
+    The model's ``input_mean`` and ``input_std`` attributes hold that
+    normalisation. A checkpoint whose model tensors do not match the rebuilt
+    model is a ``ValueError``; a model this module cannot rebuild a
+    ``NotImplementedError``."""
     ckpt = load_checkpoint(path)
     config = checkpoint_config(ckpt)
     shape = ckpt["data.input_shape"].tolist() if "data.input_shape" in ckpt else None
@@ -317,8 +323,10 @@ def load_model(path: str) -> nn.Module:
 
 
 def preprocess(images: torch.Tensor, model: nn.Module) -> torch.Tensor:
-    """uint8 images [N, H, W] or [N, C, H, W] (0..255) to the trainer's
-    normalised float32 input: (x / 255 - mean) / std."""
+    """uint8 ``images`` [N, H, W] or [N, C, H, W] (0..255) to the trainer's
+    normalised float32 input: (x / 255 - mean) / std, with the mean and std
+    of ``model`` (its ``input_mean`` and ``input_std``, as
+    :func:`load_model` sets them)."""
     x = images.to(torch.float32)
     if x.dim() == 3:
         x = x.unsqueeze(1)
@@ -326,6 +334,11 @@ def preprocess(images: torch.Tensor, model: nn.Module) -> torch.Tensor:
 
 
 def main(argv=None) -> int:
+    """The command line, ``python -m fusetrain.load_checkpoint PATH``:
+    ``argv`` the arguments (default None: ``sys.argv[1:]``). Prints the
+    checkpoint's step, model, data and policy, its tensors grouped by prefix,
+    and the model :func:`load_model` rebuilds (or why it cannot); returns 0,
+    or 1 when the file does not load as a checkpoint."""
     ap = argparse.ArgumentParser(prog="python -m fusetrain.load_checkpoint",
                                  description="Show what a fusetrain train checkpoint holds and rebuild its model.")
     ap.add_argument("path")

@@ -362,7 +362,18 @@ class FusedAdamW(_FusedOptimizer):
 
 class FusedAdam(FusedAdamW):
     """Adam (``torch.optim.Adam``'s arguments and defaults: ``weight_decay=0``
-    as L2 regularisation, or AdamW with ``decoupled_weight_decay=True``), fused."""
+    as L2 regularisation, or AdamW with ``decoupled_weight_decay=True``), fused.
+
+    ``FusedAdam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+    weight_decay=0, amsgrad=False, *, maximize=False,
+    decoupled_weight_decay=False, master_weights=False, max_grad_norm=None)``:
+    ``params`` the parameters or param groups, ``lr`` a float or a one-element
+    tensor, ``betas``, ``eps``, ``amsgrad`` and ``maximize`` as torch's (and
+    checked as :class:`FusedAdamW` checks them), ``master_weights`` and
+    ``max_grad_norm`` as :class:`FusedAdamW`'s (module docstring).
+    ``foreach``, ``capturable``, ``differentiable`` and ``fused`` are accepted
+    for compatibility: the step is always fused and capturable (no host
+    sync); ``differentiable=True`` is refused."""
 
     _decoupled = False  # per group, from decoupled_weight_decay
 
@@ -412,7 +423,9 @@ class FusedSGD(_FusedOptimizer):
 
     ``FusedSGD(params, lr=1e-3, momentum=0, dampening=0, weight_decay=0,
     nesterov=False, *, maximize=False, master_weights=False,
-    max_grad_norm=None)``.
+    max_grad_norm=None)``. ``foreach`` and ``fused`` are accepted for
+    compatibility (the step is always fused); ``differentiable=True`` is
+    refused.
     """
 
     _state_keys = ("momentum_buffer",)

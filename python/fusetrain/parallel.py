@@ -148,6 +148,30 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
     naming the first mismatch, on every rank) and parameters and buffers are
     broadcast from rank 0. ``state_dict()`` keys carry the ``module.`` prefix
     and ``.module`` is the wrapped model.
+
+    torch's arguments, as fusetrain takes them:
+
+    - ``module``: the model; its parameters that require gradients are
+      synchronised.
+    - ``device_ids``: None or a list of this rank's one device (more than one
+      is a ``ValueError``: one device per process). ``output_device`` and
+      ``dim`` (single-process multi-device scatter/gather in torch) are
+      accepted and ignored.
+    - ``broadcast_buffers`` (default True): buffers are broadcast from rank 0
+      at construction and before every forward; False leaves each rank its
+      own.
+    - ``process_group``: the group to reduce over (default: the world group;
+      ``torch.distributed.init_process_group()`` must have run).
+    - ``bucket_cap_mb``: size of every bucket after the first, in MiB
+      (default None: 25; the first holds about 1 MiB).
+    - ``find_unused_parameters`` (default False): tolerate parameters that
+      get no gradient in an iteration (reduced as zeros); without it such a
+      parameter is an error naming it.
+    - ``gradient_as_bucket_view`` (default False): ``p.grad`` becomes a view
+      into its bucket (no copy, less memory).
+    - ``check_reduction`` (deprecated in torch) and ``static_graph`` are
+      accepted and ignored: the buckets are rebuilt once after the first
+      backward either way.
     """
 
     def __init__(
@@ -225,6 +249,10 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         self._divide_by_initial_world_size = True
 
     def forward(self, *inputs, **kwargs):
+        """The wrapped module's forward (``self.module(*inputs, **kwargs)``),
+        after the buffers' broadcast; with gradients enabled it arms the
+        reducer, so the next backward averages the gradients across ranks
+        (unless inside ``no_sync``)."""
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             # Tells the ranks that have joined (if any) that this one has not.
             work = Join.notify_join_context(self)
@@ -296,7 +324,15 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         fp16_compress_hook, bf16_compress_hook) or ``"powersgd"`` (torch's
         powerSGD_hook; its options are PowerSGDState's, and it draws the same
         random initial Qs for the same ``random_seed``, without reseeding
-        torch's global generator). Same rules as ``register_comm_hook``."""
+        torch's global generator). Same rules as ``register_comm_hook``.
+
+        ``hook`` is the hook's name; the keyword arguments configure
+        ``"powersgd"`` as ``PowerSGDState``'s of the same names (defaults
+        included) and are ignored by the other hooks:
+        ``matrix_approximation_rank``, ``start_powerSGD_iter``,
+        ``min_compression_rate``, ``use_error_feedback``, ``warm_start``,
+        ``orthogonalization_epsilon``, ``random_seed`` and
+        ``batch_tensors_with_same_shape``."""
         self.reducer.register_builtin_comm_hook(
             hook,
             self.process_group,
@@ -326,7 +362,8 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
         initial world size (joined ranks add zeros) or, with
         ``divide_by_initial_world_size=False``, over the ranks still training.
         With ``throw_on_early_termination`` every rank raises as soon as one
-        runs out of data instead. As in torch, join mode reads small
+        runs out of data instead; ``enable=False`` makes the block do nothing
+        (as torch's). As in torch, join mode reads small
         collectives on the host (the ranks still training with
         ``divide_by_initial_world_size=False``, the source rank of the
         buffers' broadcast, a joined rank's view of who still trains). Not
@@ -350,10 +387,14 @@ class DistributedDataParallel(torch.nn.Module, Joinable):
 
     @property
     def join_device(self) -> torch.device:
+        """The device of the join collectives (``Joinable``): that of the
+        first synchronised parameter."""
         return self._params[0].device
 
     @property
     def join_process_group(self):
+        """The process group of the join collectives (``Joinable``): the
+        model's ``process_group``."""
         return self.process_group
 
     def _find_common_rank(self, candidate: bool) -> int:

@@ -22,7 +22,10 @@ __all__ = ["read_metrics", "plot_run", "main"]
 
 def read_metrics(run_dir) -> Tuple[List[dict], List[dict]]:
     """(train records, eval records) of a run, one per step (a resumed run's
-    later record of a step replaces the earlier one)."""
+    later record of a step replaces the earlier one), each sorted by step.
+    ``run_dir`` is the run directory (a path or a string); a missing
+    ``run_dir/metrics.jsonl`` is a ``FileNotFoundError``, a line that is not
+    JSON a ``ValueError``."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a fusetrain train run directory?")
@@ -78,6 +81,9 @@ def plot_run(run_dir, output=None) -> Path:
 
 
 def main(argv=None) -> int:
+    """The command line, ``python -m fusetrain.plot RUN_DIR [-o PNG]``:
+    ``argv`` the arguments (default None: ``sys.argv[1:]``). Prints the PNG's
+    path and returns 0, or prints the error and returns 1."""
     ap = argparse.ArgumentParser(prog="python -m fusetrain.plot", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", help="a fusetrain train run directory (holds metrics.jsonl)")
     ap.add_argument("-o", "--output", help="PNG to write (default RUN_DIR/curves.png)")

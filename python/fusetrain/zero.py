@@ -268,7 +268,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None, **kwargs):
         """The local optimizer's step over this rank's slices, then one
-        all-gather per bucket of the updated parameters. A collective."""
+        all-gather per bucket of the updated parameters. A collective.
+
+        ``closure`` (optional, as torch's): re-evaluates the model and returns
+        the loss; it runs first, with gradients enabled, and its loss is
+        returned (None without one). Other keyword arguments go to the local
+        optimizer's ``step``."""
         self.finish_all_gather()  # the step writes this rank's slices, which the gathers read
         loss = None
         if closure is not None:
@@ -360,6 +365,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return divisor if grad_scale is None else grad_scale.to(divisor.device) * divisor
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad(set_to_none)`` of the whole parameters' ``p.grad``
+        (None with ``set_to_none=True``, the default, else zeros); it also
+        clears the shard views' gradients and, in stage 2, the reducer's
+        gradient pieces."""
         super().zero_grad(set_to_none)
         for view in self._views:
             view.grad = None
@@ -506,8 +515,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self._all_state_dicts = None
 
     def add_param_group(self, param_group: dict) -> None:
-        """Adds a group (e.g. layers unfrozen while fine-tuning) and shards
-        again, keeping the existing state. A collective once constructed."""
+        """Adds ``param_group`` (a dict with ``params`` and optional
+        per-group settings, as torch's; e.g. layers unfrozen while
+        fine-tuning) and shards again, keeping the existing state. A
+        collective once constructed; refused (``ValueError``) in stage 2,
+        whose layout is the DistributedDataParallel's."""
         if not getattr(self, "_ready", False):
             super().add_param_group(param_group)
             return

@@ -15,12 +15,19 @@
   (``<!-- docs-test: fragment -->``).
 - ``make docs``'s Sphinx build passes with warnings as errors, so a broken
   reference, link or docstring fails here.
+- Every public name the Python reference (``docs/reference/python.md``)
+  documents has a docstring that names each of its arguments.
 
 The convention is documented in docs/architecture.md ("Documentation").
 """
 
 from __future__ import annotations
 
+import enum
+import functools
+import importlib
+import importlib.util
+import inspect
 import json
 import os
 import re
@@ -30,7 +37,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import pytest
 
@@ -136,6 +143,125 @@ def test_every_marker_is_known():
                 assert (ROOT / arg).is_file(), f"{b.where}: excerpt of {arg}, which does not exist"
         else:
             pytest.fail(f"{b.where}: no docs-test marker applies to a {b.lang!r} block")
+
+
+# ------------------------------------------------------------- docstrings
+
+_AUTOMODULE = re.compile(r"^\.\. automodule:: (\S+)[ \t]*\n((?:[ \t]+:[\w-]+:.*\n)*)", re.M)
+
+# The modules of the reference that need an optional library, and which: one
+# that does not import for want of it is skipped (make docs fails there too).
+_OPTIONAL = {"fusetrain.lightning": ("lightning",), "fusetrain.integrations": ("transformers", "accelerate")}
+
+
+def _reference_modules() -> List[Tuple[str, Optional[List[str]]]]:
+    """The modules docs/reference/python.md documents (its ``automodule``
+    directives), each with the names its ``:members:`` lists; None where it
+    lists none: conf.py's ``members: True`` then documents the module's
+    ``__all__``."""
+    text = (DOCS / "reference" / "python.md").read_text()
+    out = []
+    for m in _AUTOMODULE.finditer(text):
+        listed = dict(re.findall(r":([\w-]+):[ \t]*(.*)", m.group(2))).get("members", "").strip()
+        out.append((m.group(1), [n.strip() for n in listed.split(",") if n.strip()] if listed else None))
+    return out
+
+
+def _where(obj) -> str:
+    """file:line of a function, class or property, relative to the repository
+    root. A decorator's wrapper (``torch.no_grad()`` on ``step``) is unwrapped:
+    the method is where its code is, not torch's wrapper."""
+    obj = inspect.unwrap(obj.fget if isinstance(obj, property) else obj)
+    try:
+        path, line = Path(inspect.getsourcefile(obj)).resolve(), inspect.getsourcelines(obj)[1]
+    except (TypeError, OSError):
+        return "?"
+    return f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}:{line}"
+
+
+def _undescribed(fn, doc: str) -> List[str]:
+    """The arguments of ``fn`` (not self / cls, *args, **kwargs) that ``doc``
+    does not name."""
+    try:
+        parameters = inspect.signature(fn).parameters.values()  # (follows __wrapped__)
+    except (TypeError, ValueError):  # no signature to read (a builtin)
+        return []
+    return [p.name for p in parameters
+            if p.name not in ("self", "cls") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            and not re.search(rf"\b{re.escape(p.name)}\b", doc)]
+
+
+def _routine_findings(qualname: str, fn) -> List[str]:
+    if not fn.__doc__:
+        return [f"{_where(fn)}: {qualname}: no docstring"]
+    missing = _undescribed(fn, fn.__doc__)
+    return [f"{_where(fn)}: {qualname}: arguments not described: {', '.join(missing)}"] if missing else []
+
+
+def _class_findings(qualname: str, cls) -> List[str]:
+    """The class's own docstring (autodoc shows it, and not ``__init__``'s)
+    names the arguments of the signature autodoc shows (an inherited
+    ``__init__``'s too); each public method, property and nested class of its
+    own (autodoc shows no inherited members) has a docstring, a method's naming
+    its arguments. A method overriding a base's needs its own."""
+    found = []
+    if not cls.__doc__:
+        found.append(f"{_where(cls)}: {qualname}: no docstring")
+    elif not issubclass(cls, enum.Enum):
+        missing = _undescribed(cls, cls.__doc__)
+        if missing:
+            found.append(f"{_where(cls)}: {qualname}: arguments not described: {', '.join(missing)}")
+    for name, member in vars(cls).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(member, (staticmethod, classmethod)):
+            member = member.__func__
+        if isinstance(member, (property, functools.cached_property)):
+            if not member.__doc__:
+                found.append(f"{_where(member.fget if isinstance(member, property) else member.func)}: "
+                             f"{qualname}.{name}: property without docstring")
+        elif inspect.isclass(member):
+            found += _class_findings(f"{qualname}.{name}", member)
+        elif inspect.isroutine(member):
+            found += _routine_findings(f"{qualname}.{name}", member)
+    return found
+
+
+def _documented_constant(module, name: str) -> bool:
+    """A module-level constant is documented by a ``#:`` comment above its
+    assignment: autodoc shows it only then."""
+    source = inspect.getsource(module)
+    return re.search(rf"^#:.*\n(?:#:.*\n)*{re.escape(name)}\s*[:=]", source, re.M) is not None
+
+
+@pytest.mark.parametrize("modname,members", _reference_modules(), ids=[m for m, _ in _reference_modules()])
+def test_public_names_have_docstrings(modname, members):
+    """Issue 40: every public name has a docstring with its arguments. The
+    names are those docs/reference/python.md documents: a module's
+    ``:members:`` there, else its ``__all__``; a class's own public methods
+    and properties. A docstring names each argument (the word, anywhere in
+    it); *args and **kwargs are exempt."""
+    try:
+        module = importlib.import_module(modname)
+    except ImportError as e:
+        absent = [lib for lib in _OPTIONAL.get(modname, ()) if importlib.util.find_spec(lib) is None]
+        if not absent:
+            raise
+        pytest.skip(f"{modname} does not import without {', '.join(absent)} (not installed here): {e}")
+    found = [] if module.__doc__ else [f"{modname}: module without docstring"]
+    for name in members if members is not None else getattr(module, "__all__", []):
+        obj = getattr(module, name)
+        qualname = f"{modname}.{name}"
+        if inspect.ismodule(obj):
+            continue  # a submodule: documented under its own heading
+        if inspect.isclass(obj):
+            found += _class_findings(qualname, obj)
+        elif callable(obj):
+            found += _routine_findings(qualname, obj)
+        elif not _documented_constant(module, name):
+            found.append(f"{modname}: {qualname}: constant without a #: comment")
+    assert not found, (f"public names of {modname} without a docstring, or with arguments it does not "
+                       f"describe ({len(found)}):\n" + "\n".join(found))
 
 
 @pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.lang == "cpp" and b.marker

@@ -36,8 +36,14 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
     """``torch.nn.CrossEntropyLoss`` computed by the fused
     :func:`fusetrain.nn.functional.softmax_cross_entropy`: same constructor
     arguments, attributes and state dict (it is a subclass), a float32 loss.
-    Class ``weight`` is not supported and raises NotImplementedError here
-    rather than at the first call."""
+
+    ``ignore_index`` (default -100), ``reduction`` (``"mean"``, default,
+    ``"sum"`` or ``"none"``) and ``label_smoothing`` (in [0, 1], default 0)
+    are torch's; ``size_average`` and ``reduce`` are torch's deprecated
+    spellings of ``reduction``. Class ``weight`` is not supported and raises
+    NotImplementedError here rather than at the first call. Targets are
+    class indices (class probabilities raise NotImplementedError at the call).
+    """
 
     def __init__(
         self,
@@ -56,6 +62,8 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
         super().__init__(None, size_average, ignore_index, reduce, reduction, label_smoothing)
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss of the logits ``input`` for the class indices ``target``
+        (shapes as :func:`fusetrain.nn.functional.softmax_cross_entropy`)."""
         return softmax_cross_entropy(
             input,
             target,
@@ -72,7 +80,16 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     computed by :func:`fusetrain.nn.functional.linear_cross_entropy` without
     holding the logits. The class ``weight`` is a buffer (``self.weight``,
     None when not given), as in ``CrossEntropyLoss``; the state-dict keys are
-    ``linear.weight``, ``linear.bias`` and ``weight``."""
+    ``linear.weight``, ``linear.bias`` and ``weight``.
+
+    ``in_features`` and ``num_classes`` size the linear; ``bias`` (default
+    False), ``device`` and ``dtype`` are its ``nn.Linear`` arguments.
+    ``reduction`` (``"mean"``, default, ``"sum"`` or ``"none"``),
+    ``ignore_index`` (default None: -100) and ``label_smoothing`` (in [0, 1],
+    default 0) are the loss's, checked at the first call; ``options`` is a
+    :class:`~fusetrain.nn.functional.LinearCrossEntropyOptions` (default
+    None: the chunked path), all as
+    :func:`fusetrain.nn.functional.linear_cross_entropy` takes them."""
 
     def __init__(
         self,
@@ -97,6 +114,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         self.options = options
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss of ``self.linear(input)`` (``input`` [..., in_features])
+        for the class indices ``target`` [...], without holding the logits."""
         return linear_cross_entropy(
             input,
             self.linear.weight,
@@ -110,6 +129,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         )
 
     def extra_repr(self) -> str:
+        """The sizes, ``bias`` and ``reduction``."""
         return (f"in_features={self.linear.in_features}, num_classes={self.linear.out_features}, "
                 f"bias={self.linear.bias is not None}, reduction={self.reduction!r}")
 
@@ -123,9 +143,20 @@ class BatchNormReLU2d(torch.nn.BatchNorm2d):
     ``nn.BatchNorm2d(c), nn.ReLU()`` in a model. Being a BatchNorm2d, it is
     what tools that rewrite batch norms by type see, and their rewrite
     drops the ReLU (``SyncBatchNorm.convert_sync_batchnorm``,
-    ``torch.ao``'s conv + bn fusion): convert before swapping it in."""
+    ``torch.ao``'s conv + bn fusion): convert before swapping it in.
+
+    ``BatchNormReLU2d(num_features, eps=1e-5, momentum=0.1, affine=True,
+    track_running_stats=True, device=None, dtype=None)``, torch's arguments:
+    ``num_features`` channels, ``eps`` added to the variance, ``momentum`` of
+    the running statistics (None: a cumulative average), ``affine`` learnable
+    weight and bias, ``track_running_stats`` keeps running statistics (and
+    uses them in evaluation), ``device`` and ``dtype`` those of the
+    parameters and buffers."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """``relu(batch_norm(input))`` of a 4-D ``input`` [N, C, H, W], the
+        running statistics updated in training as ``nn.BatchNorm2d`` updates
+        them."""
         self._check_input_dim(input)
         # As torch.nn.modules.batchnorm._BatchNorm.forward.
         if self.momentum is None:
@@ -156,8 +187,18 @@ class MaxPool2d(torch.nn.MaxPool2d):
     same values and gradients bit for bit; one pass each way on the CPU where
     the windows do not overlap (``stride`` None or the kernel size, the
     default) in channels_last inputs, or are 2x2 in NCHW ones; torch's op
-    otherwise."""
+    otherwise.
+
+    ``MaxPool2d(kernel_size, stride=None, padding=0, dilation=1,
+    return_indices=False, ceil_mode=False)``, torch's arguments:
+    ``kernel_size`` the window, ``stride`` its step (None: the kernel size),
+    ``padding`` implicit -inf padding on each side, ``dilation`` the spacing
+    of a window's elements, ``return_indices`` also returns the indices of
+    the maxima, ``ceil_mode`` rounds the output size up. The fused path takes
+    no padding, dilation 1, no indices and floor mode
+    (:func:`fusetrain.nn.functional.max_pool2d`)."""
 
     def forward(self, input: torch.Tensor):
+        """The pooled ``input`` (and the indices with ``return_indices``)."""
         return max_pool2d(input, self.kernel_size, self.stride, self.padding, self.dilation,
                           ceil_mode=self.ceil_mode, return_indices=self.return_indices)

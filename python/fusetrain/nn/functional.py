@@ -583,8 +583,9 @@ def max_pool2d(
     On the CPU, for 4-D float32, float16 and bfloat16 inputs, channels_last
     (the output is channels_last too) or contiguous NCHW with 2x2 windows,
     where the windows do not overlap (``stride``
-    None or equal to ``kernel_size``, no padding, dilation 1, floor mode, at
-    most 256 positions a window) and no indices are asked for, one pass
+    None or equal to ``kernel_size``, ``padding`` 0, ``dilation`` 1, floor
+    mode: ``ceil_mode=False``, at most 256 positions a window) and no indices
+    are asked for (``return_indices=False``), one pass
     forward that writes the output and a byte per window (torch writes int64
     indices), and one pass backward that writes every input gradient element
     once (torch zero-fills, copies its inputs to one layout, then scatters).
