@@ -16,7 +16,7 @@
 #include <fusetrain/nn/linear_cross_entropy.h>
 #include <fusetrain/ops/amp.h>
 #include <fusetrain/ops/batch_norm.h>
-#include <fusetrain/ops/cpu_features.h>
+#include <fusetrain/ops/cpu/cpu_features.h>
 #include <fusetrain/ops/fp8.h>
 #include <fusetrain/ops/linear_cross_entropy.h>
 #include <fusetrain/ops/optim.h>

@@ -1,6 +1,6 @@
 // Mixed-precision policies and autocast guards over at::autocast's TLS state.
 #include <fusetrain/amp/policy.h>
-#include <fusetrain/ops/cpu_features.h>
+#include <fusetrain/ops/cpu/cpu_features.h>
 
 #include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>

@@ -1,5 +1,5 @@
 // Mixed-precision CUDA kernels: multi-tensor non-finite check + unscale, and
-// the one-thread loss-scale update. CPU references: csrc/ops/amp.cpp.
+// the one-thread loss-scale update. CPU references: csrc/ops/cpu/amp_cpu.cpp.
 #include "amp_kernels.h"
 #include "multi_tensor_apply.cuh"
 #include "vec.cuh"

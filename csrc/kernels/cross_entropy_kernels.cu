@@ -1,5 +1,5 @@
 // Fused softmax cross-entropy CUDA kernels. CPU reference:
-// csrc/ops/cross_entropy.cpp.
+// csrc/ops/cpu/cross_entropy_cpu.cpp.
 //
 // Note [Cross-entropy row kernels]
 // A group of threads owns a row: one warp for narrow rows (four rows per

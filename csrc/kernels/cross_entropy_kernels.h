@@ -2,7 +2,7 @@
 // pointers, sizes, scalars and a stream; no ATen. Each returns the launch's
 // error code. Semantics: fusetrain::ops::softmax_cross_entropy_forward and
 // _backward (csrc/ops/cross_entropy.h); CPU references in
-// csrc/ops/cross_entropy.cpp.
+// csrc/ops/cpu/cross_entropy_cpu.cpp.
 #pragma once
 
 #include "amp_kernels.h"  // FloatType

@@ -1,6 +1,6 @@
 // Launchers of the fused optimizer and norm CUDA kernels. Pure CUDA: raw
 // pointers, sizes, scalars and a stream; no ATen. Each returns the launch's
-// error code. CPU references: csrc/ops/optim.cpp.
+// error code. CPU references: csrc/ops/cpu/optim_cpu.cpp.
 #pragma once
 
 #include "amp_kernels.h"

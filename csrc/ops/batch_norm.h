@@ -1,6 +1,6 @@
 // C++ entry points of the fused batch normalisation (+ ReLU) ops. They call
 // through the dispatcher, so one call serves every device: the CPU has
-// kernels of ours (Note [Batch norm CPU passes] in batch_norm.cpp), other
+// kernels of ours (Note [Batch norm CPU passes] in cpu/batch_norm_cpu.cpp), other
 // backends the ATen composition (generic.cpp). The autograd-aware function
 // built on them is fusetrain::nn::batch_norm_relu.
 #pragma once

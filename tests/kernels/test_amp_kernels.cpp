@@ -1,5 +1,5 @@
 // The mixed-precision kernels (csrc/kernels/amp_kernels.cu) run through the
-// CUDA emulator against the CPU ops of csrc/ops/amp.cpp, bit for bit: the
+// CUDA emulator against the CPU ops of csrc/ops/cpu/amp_cpu.cpp, bit for bit: the
 // unscale is one rounded product per element and the scale update is integer
 // and double arithmetic, the same on both.
 #include <fusetrain/ops/amp.h>

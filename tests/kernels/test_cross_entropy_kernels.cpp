@@ -1,6 +1,6 @@
 // The softmax cross-entropy kernels (csrc/kernels/cross_entropy_kernels.cu)
 // run through the CUDA emulator against the CPU ops of
-// csrc/ops/cross_entropy.cpp, over the three row widths (a warp, 128 and 256
+// csrc/ops/cpu/cross_entropy_cpu.cpp, over the three row widths (a warp, 128 and 256
 // threads a row), tails of the 16-byte packs, misaligned rows, row strides,
 // ignore_index, label smoothing and the three reductions.
 //

@@ -1,5 +1,5 @@
 // The fused optimizer and norm kernels (csrc/kernels/optim_kernels.cu) run
-// through the CUDA emulator against the CPU ops of csrc/ops/optim.cpp.
+// through the CUDA emulator against the CPU ops of csrc/ops/cpu/optim_cpu.cpp.
 //
 // Bit for bit: the unscaled gradients written back (one IEEE division), the
 // step counters, a skipped step (nothing written), the scatter and the chunk

@@ -251,7 +251,7 @@ def test_l2norm_errors_name_the_tensor():
         torch.ops.fusetrain.multi_tensor_l2norm([torch.ones(3), torch.ones(3, dtype=torch.int64)], False)
 
 
-# Chunk lengths: the CPU op's work items (csrc/ops/optim.cpp) and the CUDA
+# Chunk lengths: the CPU op's work items (csrc/ops/cpu/optim_cpu.cpp) and the CUDA
 # kernels' (csrc/kernels/multi_tensor_apply.cuh); 65536 is a multiple of both.
 CPU_CHUNK, CUDA_CHUNK = 32768, 65536
 SPIKE = 100.0

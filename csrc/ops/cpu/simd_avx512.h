@@ -4,7 +4,7 @@
 // inputs and outputs to zero, and c10::BFloat16 (so torch) keeps them.
 #pragma once
 
-#include <fusetrain/ops/simd.h>
+#include <fusetrain/ops/cpu/simd.h>
 
 #ifdef FUSETRAIN_SIMD_X86
 #include <c10/util/BFloat16.h>

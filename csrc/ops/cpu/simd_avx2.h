@@ -2,7 +2,7 @@
 // lanes. simd_avx512.h has the same names with 16 lanes.
 #pragma once
 
-#include <fusetrain/ops/simd.h>
+#include <fusetrain/ops/cpu/simd.h>
 
 #ifdef FUSETRAIN_SIMD_X86
 #include <c10/util/BFloat16.h>

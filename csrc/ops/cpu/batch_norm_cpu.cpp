@@ -32,7 +32,7 @@
 // composition of generic.cpp instead.
 #include <fusetrain/ops/batch_norm.h>
 #include <fusetrain/ops/checks.h>
-#include <fusetrain/ops/cpu_features.h>
+#include <fusetrain/ops/cpu/cpu_features.h>
 #include <fusetrain/ops/generic.h>
 
 #include <ATen/Dispatch.h>
@@ -47,8 +47,8 @@
 #include <utility>
 #include <vector>
 
-#include <fusetrain/ops/simd_avx2.h>
-#include <fusetrain/ops/simd_avx512.h>
+#include <fusetrain/ops/cpu/simd_avx2.h>
+#include <fusetrain/ops/cpu/simd_avx512.h>
 
 namespace fusetrain::ops {
 
@@ -309,7 +309,7 @@ void grad_input(const T* dy, const T* out, const T* x, int64_t n, int64_t p,
 // ------------------------------------------------------------ vector loops
 
 #define FUSETRAIN_SIMD_LOOPS "batch_norm_loops.inc"
-#include <fusetrain/ops/simd_each_isa.inc>
+#include <fusetrain/ops/cpu/simd_each_isa.inc>
 
 namespace fusetrain::ops {
 namespace {

@@ -25,7 +25,7 @@
 // +0), zero elsewhere and in the rows and columns past the last whole window,
 // so output and gradients equal torch's bit for bit, on every path.
 #include <fusetrain/ops/checks.h>
-#include <fusetrain/ops/cpu_features.h>
+#include <fusetrain/ops/cpu/cpu_features.h>
 #include <fusetrain/ops/generic.h>
 #include <fusetrain/ops/max_pool.h>
 
@@ -38,8 +38,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include <fusetrain/ops/simd_avx2.h>
-#include <fusetrain/ops/simd_avx512.h>
+#include <fusetrain/ops/cpu/simd_avx2.h>
+#include <fusetrain/ops/cpu/simd_avx512.h>
 
 namespace fusetrain::ops {
 
@@ -145,7 +145,7 @@ void backward_rows_2x2(const T* grad_out, const uint8_t* argmax, int64_t row, in
 }  // namespace fusetrain::ops
 
 #define FUSETRAIN_SIMD_LOOPS "max_pool_loops.inc"
-#include <fusetrain/ops/simd_each_isa.inc>
+#include <fusetrain/ops/cpu/simd_each_isa.inc>
 
 namespace fusetrain::ops {
 

@@ -11,7 +11,7 @@
 // ATEN_CPU_CAPABILITY=default) forces a lower path or the portable scalar
 // loops, which is how the tests cover them all.
 #include <fusetrain/ops/checks.h>
-#include <fusetrain/ops/cpu_features.h>
+#include <fusetrain/ops/cpu/cpu_features.h>
 #include <fusetrain/ops/cross_entropy.h>
 #include <fusetrain/ops/generic.h>
 
@@ -33,8 +33,8 @@
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/accumulate.h>
 
-#include <fusetrain/ops/simd_avx2.h>
-#include <fusetrain/ops/simd_avx512.h>
+#include <fusetrain/ops/cpu/simd_avx2.h>
+#include <fusetrain/ops/cpu/simd_avx512.h>
 
 namespace fusetrain::ops {
 
@@ -220,7 +220,7 @@ float exp_scalar(float v) { return std::exp(v); }
 // ------------------------------------------------------------ vector rows
 
 #define FUSETRAIN_SIMD_LOOPS "cross_entropy_loops.inc"
-#include <fusetrain/ops/simd_each_isa.inc>
+#include <fusetrain/ops/cpu/simd_each_isa.inc>
 
 namespace fusetrain::ops {
 namespace {

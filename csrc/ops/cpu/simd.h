@@ -17,7 +17,7 @@
 // that ISA and could be picked by the linker for a caller on a lesser CPU.
 //
 //   #define FUSETRAIN_SIMD_LOOPS "optim_loops.inc"  // FUSETRAIN_SIMD_BEGIN ... END inside
-//   #include <fusetrain/ops/simd_each_isa.inc>    // once with avx2, once with avx512
+//   #include <fusetrain/ops/cpu/simd_each_isa.inc>    // once with avx2, once with avx512
 #pragma once
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))

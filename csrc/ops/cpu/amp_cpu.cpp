@@ -3,7 +3,7 @@
 // and the Meta ones used by torch.compile's tracing.
 #include <fusetrain/ops/amp.h>
 #include <fusetrain/ops/checks.h>
-#include <fusetrain/ops/cpu_features.h>
+#include <fusetrain/ops/cpu/cpu_features.h>
 #include <fusetrain/ops/generic.h>
 
 #include <ATen/Parallel.h>
@@ -15,11 +15,11 @@
 #include <atomic>
 #include <cmath>
 
-#include <fusetrain/ops/simd_avx2.h>
-#include <fusetrain/ops/simd_avx512.h>
+#include <fusetrain/ops/cpu/simd_avx2.h>
+#include <fusetrain/ops/cpu/simd_avx512.h>
 
 #define FUSETRAIN_SIMD_LOOPS "unscale_loops.inc"
-#include <fusetrain/ops/simd_each_isa.inc>
+#include <fusetrain/ops/cpu/simd_each_isa.inc>
 
 namespace fusetrain::ops {
 

@@ -8,7 +8,7 @@
 // and written exactly once. Per-tensor scalars (bias corrections) are computed
 // before the parallel region.
 #include <fusetrain/ops/checks.h>
-#include <fusetrain/ops/cpu_features.h>
+#include <fusetrain/ops/cpu/cpu_features.h>
 #include <fusetrain/ops/generic.h>
 #include <fusetrain/ops/optim.h>
 
@@ -22,8 +22,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include <fusetrain/ops/simd_avx2.h>
-#include <fusetrain/ops/simd_avx512.h>
+#include <fusetrain/ops/cpu/simd_avx2.h>
+#include <fusetrain/ops/cpu/simd_avx512.h>
 
 namespace fusetrain::ops {
 
@@ -267,7 +267,7 @@ using SgdFn = void (*)(void*, void*, void*, float*, int64_t, const SgdLaneScalar
 }  // namespace fusetrain::ops
 
 #define FUSETRAIN_SIMD_LOOPS "optim_loops.inc"
-#include <fusetrain/ops/simd_each_isa.inc>
+#include <fusetrain/ops/cpu/simd_each_isa.inc>
 
 namespace fusetrain::ops {
 namespace {
