@@ -4,9 +4,14 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
+
 namespace fusetrain::ops {
 
 /// A one-element tensor of `dtype` (the device-side scalars: scale, found_inf...).
+/// Whether an optional tensor argument was given (present and defined).
+inline bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
 inline void check_scalar_tensor(const at::Tensor& t, const char* op, const char* name,
                                 at::ScalarType dtype) {
   TORCH_CHECK(t.defined(), op, ": ", name, " is undefined");

@@ -18,8 +18,6 @@ namespace fusetrain::ops::generic {
 
 namespace {
 
-bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
-
 // The widest float type the backend computes in, for step-dependent scalars
 // and norm sums: float64 on the CPU, CUDA and XPU; float32 on the rest (MPS
 // and most accelerators have no float64).

@@ -48,8 +48,6 @@ namespace {
 constexpr const char* kForwardOp = "fusetrain::linear_cross_entropy_forward";
 constexpr const char* kBackwardOp = "fusetrain::linear_cross_entropy_backward";
 
-bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
-
 bool is_linear_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
 }

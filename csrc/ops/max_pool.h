@@ -1,12 +1,13 @@
 // C++ entry points of the max pooling ops over non-overlapping windows (the
 // 2x2 pooling of most CNNs). They call through the dispatcher, so one call
 // serves every device: the CPU has kernels of ours (Note [Window max pool] in
-// max_pool.cpp), other backends the ATen composition (generic.cpp). The
+// cpu/max_pool_cpu.cpp), other backends the ATen composition (generic.cpp). The
 // autograd-aware function built on them is fusetrain::nn::max_pool2d.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <tuple>
 
 namespace fusetrain::ops {
@@ -29,6 +30,12 @@ std::tuple<at::Tensor, at::Tensor> max_pool2d(const at::Tensor& input, at::IntAr
 /// `input` gives the shape and layout only.
 at::Tensor max_pool2d_backward(const at::Tensor& grad_out, const at::Tensor& input,
                                const at::Tensor& argmax, at::IntArrayRef kernel_size);
+
+/// The window's height and width: kernel_size holds one size for both, or
+/// two (check_max_pool2d_args checks that it does).
+inline std::array<int64_t, 2> max_pool2d_window(at::IntArrayRef kernel_size) {
+  return {kernel_size[0], kernel_size.size() == 2 ? kernel_size[1] : kernel_size[0]};
+}
 
 /// The output's height and width, validating the forward's arguments (shared
 /// by every implementation).
