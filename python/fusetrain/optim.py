@@ -101,6 +101,16 @@ def _per_device(tensor: Optional[torch.Tensor], cache: dict, device: torch.devic
     return cache[device]
 
 
+def _drop_default_master_weights(group: dict) -> dict:
+    """Removes a saved param group's ``master_weights`` unless it is True, so
+    that a state dict without master weights has exactly the keys of the torch
+    optimizer it replaces (``FusedAdamW.state_dict``, and ZeRO's consolidated
+    state). Returns the group."""
+    if not group.get("master_weights", False):
+        group.pop("master_weights", None)
+    return group
+
+
 class _FusedOptimizer(torch.optim.Optimizer):
     """What the fused optimizers share: grouping by (device, dtype), the
     scaler handshake, master weights, folded clipping, state-dict dtypes."""
@@ -209,8 +219,7 @@ class _FusedOptimizer(torch.optim.Optimizer):
         the two in both directions."""
         state_dict = super().state_dict()
         for group in state_dict["param_groups"]:
-            if not group.get("master_weights", False):
-                group.pop("master_weights", None)
+            _drop_default_master_weights(group)
         return state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .optim import FusedAdamW
+from .optim import FusedAdamW, _drop_default_master_weights
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -431,7 +431,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def _param_groups_state(self) -> List[dict]:
         groups, start = [], 0
         for g in self.param_groups:
-            packed = {k: v for k, v in g.items() if k != "params"}
+            # Saved as the local optimizer saves its own groups (FusedAdamW's rule).
+            packed = _drop_default_master_weights({k: v for k, v in g.items() if k != "params"})
             packed["params"] = list(range(start, start + len(g["params"])))
             start += len(g["params"])
             groups.append(packed)
