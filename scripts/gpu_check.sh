@@ -15,10 +15,14 @@
 # them: two calls on a warm machine (the build in build-gpu/ stays between
 # calls, so the second one only relinks) split one long run into two that
 # each fit a device call with room to spare.
-# $OUT gets 7 logs and this run's results JSON (the device tool returns 8 files):
-# gpu_build, gpu_cpp_tests, gpu_py_tests, gpu_bench (headline), gpu_bench_fp8
-# (float8 vs bf16, bench/bench_fp8.py, ~30-60 s), gpu_bench_lce (linear
-# cross-entropy), gpu_bench_rest, gpu_trainer.
+# $OUT gets 9 logs and this run's results JSON (bench/run.py's, and
+# bench_fsdp2.py's fsdp2-<gpu>-<date>.json and fsdp2-large-...): gpu_build,
+# gpu_cpp_tests, gpu_py_tests, gpu_bench (headline), gpu_bench_fp8 (float8 vs
+# bf16, bench/bench_fp8.py, ~30-60 s), gpu_bench_lce (linear cross-entropy),
+# gpu_bench_fsdp2 (FSDP2, issue 41), gpu_bench_integrations (Lightning, HF
+# Trainer; issue 39), gpu_bench_rest, gpu_trainer. The device
+# tool returns at most 8 files, so when $OUT is set and holds more, the logs
+# go into one gpu_logs.tar.gz at the end (the JSON stay loose).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 WHAT=${1:-all}
@@ -206,6 +210,38 @@ run_stage "benchmarks (fp8)" "$(cap_for 120 60)" "$OUTDIR/gpu_bench_fp8.log" \
 stamp "benchmarks (GPU): linear cross-entropy"
 run_stage "benchmarks (linear cross-entropy)" "$(cap_for 120 30)" "$OUTDIR/gpu_bench_lce.log" \
   "$PY" bench/run.py --device cuda --results-dir "$RESULTS" --only linear_cross_entropy
+# Issue 41: FSDP2 on the GPU, one rank (NCCL), fully_shard on a 1-rank mesh
+# so the parameters are DTensors: FusedAdamW's opt.step() against torch's
+# AdamW fused and foreach, the 10.5M GPT and a 117M one (--size large),
+# float32; a standalone script (bench/bench_fsdp2.py), about 15-30 s a size,
+# most of it start-up. Each size's own deadline is under the stage's cap, so
+# a hang is named with the worker's log.
+stamp "benchmarks (GPU): fsdp2"
+fsdp2_cap=$(cap_for 90 30)
+# shellcheck disable=SC2016  # ($0, $1, $2: bash -c's own arguments)
+run_stage "benchmarks (fsdp2)" "$fsdp2_cap" "$OUTDIR/gpu_bench_fsdp2.log" \
+  bash -c 'rc=0; for size in default large; do
+    "$0" bench/bench_fsdp2.py --device cuda --size "$size" --results-dir "$1" --deadline "$2" || rc=$?
+  done; exit $rc' "$PY" "$RESULTS" "$(( fsdp2_cap > 20 ? fsdp2_cap - 10 : fsdp2_cap ))"
+# Issue 39: the integrations, one rank on the GPU. Lightning from the wheels
+# scripts/stage-gpu-deps.sh puts in .gpu-deps/wheels (pure Python; installed
+# offline unless the box has it); the Hugging Face Trainer row only where the
+# box already has transformers and accelerate (their binary wheels are not
+# carried). Both rows go into bench/run.py's results JSON.
+stamp "benchmarks (GPU): lightning, hf_trainer"
+integrations=()
+if ! "$PY" -c "import lightning" 2>/dev/null && [ -d .gpu-deps/wheels ]; then
+  "$PY" -m pip install -q --no-index --find-links .gpu-deps/wheels lightning >"$OUTDIR/gpu_bench_integrations.log" 2>&1 ||
+    echo "pip could not install lightning from .gpu-deps/wheels (log: gpu_bench_integrations)"
+fi
+"$PY" -c "import lightning" 2>/dev/null && integrations+=(--only lightning) ||
+  skipped+=("the Lightning benchmark: lightning does not import (make gpu-deps stages its wheels)")
+"$PY" -c "import transformers, accelerate" 2>/dev/null && integrations+=(--only hf_trainer) ||
+  skipped+=("the HF Trainer benchmark: the box has no transformers + accelerate")
+if ((${#integrations[@]})); then
+  run_stage "benchmarks (integrations)" "$(cap_for 120 30)" "$OUTDIR/gpu_bench_integrations.log" \
+    "$PY" bench/run.py --device cuda --results-dir "$RESULTS" "${integrations[@]}"
+fi
 stamp "benchmarks (GPU): amp, optim, cross_entropy, ddp"
 run_stage "benchmarks (rest)" "$(cap_for 150 30)" "$OUTDIR/gpu_bench_rest.log" \
   "$PY" bench/run.py --device cuda --results-dir "$RESULTS" --quick \
@@ -230,8 +266,21 @@ tail -45 "$OUTDIR/gpu_bench.log"
 # fp8: the crossover and final-loss lines, and the headline rows (notes cut).
 grep -E "^fp8 (crossover|gpt:)" "$OUTDIR/gpu_bench_fp8.log"
 grep -E "^\| fp8 (linear|GEMM|crossover|GPT block|gpt train,)" "$OUTDIR/gpu_bench_fp8.log" | awk '!seen[$0]++' | cut -c1-220
+# fsdp2: each size's parameter count, its table and the parameter check (or the error).
+grep -E "^([0-9.]+M parameters|\| (optimizer|fusetrain|torch) |final parameters|peak CUDA|bench_fsdp2: --device|[A-Za-z]*Error)" \
+  "$OUTDIR/gpu_bench_fsdp2.log"
+[ -f "$OUTDIR/gpu_bench_integrations.log" ] && grep -E "^\| (lightning|hf trainer)" "$OUTDIR/gpu_bench_integrations.log" | awk '!seen[$0]++' | cut -c1-220
 tail -25 "$OUTDIR/gpu_bench_rest.log"
 fi
+fi
+# At most 8 files come back from $OUT (the device tool's limit): past that,
+# one archive of the logs (after the summary, which reads them).
+if [ -n "${OUT:-}" ] && [ "$(find "$OUTDIR" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
+  if (cd "$OUTDIR" && tar -czf gpu_logs.tar.gz ./*.log && rm -f ./*.log); then
+    echo "== $OUTDIR: more than 8 files, so the logs are in $OUTDIR/gpu_logs.tar.gz"
+  else
+    echo "!! could not archive the logs: the device tool returns only 8 of the files in $OUTDIR"
+  fi
 fi
 for s in "${capped[@]}"; do echo "!! TIMED OUT (cases or steps after the cap were lost): $s"; done
 for s in "${skipped[@]}"; do echo "!! SKIPPED: $s"; done
