@@ -39,10 +39,8 @@ import argparse
 import copy
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -56,7 +54,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from common import Context, interleave, median, result, spread  # noqa: E402
+from common import Context, interleave, median, result, run_ranks, spread  # noqa: E402
 
 NAME = "ddp"
 
@@ -157,36 +155,16 @@ def launch_workers(
             # the harness's import path (fusetrain may be importable only through it)
             PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
         )
-        procs, logs = [], []
-        for rank in range(world):
-            log = open(Path(tmp) / f"rank{rank}.log", "w")
-            logs.append(log)
-            cmd = [
-                sys.executable, str(script), "--worker", mode, "--out", tmp,
-                "--threads", str(threads), "--warmup", str(ctx.warmup), "--repeats", str(ctx.repeats),
-                "--pg-timeout", str(pg_timeout_s), "--arg", worker_arg,
-            ] + (["--quick"] if ctx.quick else [])
-            procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
-                                          stdout=log, stderr=subprocess.STDOUT, cwd=str(HERE)))
-        deadline = time.monotonic() + deadline_s
-        try:
-            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                time.sleep(0.1)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            for p in procs:
-                p.wait(timeout=60)
-            for log in logs:
-                log.close()
-        logs_text = "\n".join(
-            f"--- rank {r} (exit {p.returncode}):\n" + (Path(tmp) / f"rank{r}.log").read_text(errors="replace")[-2000:]
-            for r, p in enumerate(procs)
-        )
+        cmd = [
+            sys.executable, str(script), "--worker", mode, "--out", tmp,
+            "--threads", str(threads), "--warmup", str(ctx.warmup), "--repeats", str(ctx.repeats),
+            "--pg-timeout", str(pg_timeout_s), "--arg", worker_arg,
+        ] + (["--quick"] if ctx.quick else [])
+        logs_text = run_ranks([cmd] * world, [dict(env, RANK=str(r), LOCAL_RANK=str(r)) for r in range(world)],
+                              tmp, deadline_s, HERE, tail_chars=2000)
         out = Path(tmp) / "result.json"
-        if any(p.returncode != 0 for p in procs) or not out.exists():
-            raise RuntimeError(f"workers failed or timed out:\n{logs_text}")
+        if not out.exists():
+            raise RuntimeError(f"workers wrote no result:\n{logs_text}")
         found = json.loads(out.read_text())
     del store
     found["threads_per_rank"] = threads

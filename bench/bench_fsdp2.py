@@ -79,7 +79,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -93,7 +92,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from common import _cpu_model, machine_info, machine_slug  # noqa: E402
+from common import _cpu_model, machine_info, machine_slug, run_ranks  # noqa: E402
 
 WORLD = 2  # ranks on the CPU
 WORLD_CUDA = 1  # ranks on CUDA: one GPU, and NCCL refuses two ranks on one GPU
@@ -308,41 +307,14 @@ def run_workers(args) -> list:
         env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
         if args.device == "cpu":
             env["OMP_NUM_THREADS"] = str(THREADS)
-        procs, logs = [], []
-        for rank in range(world):
-            log = open(Path(tmp) / f"rank{rank}.log", "w")
-            logs.append(log)
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--rank", str(rank),
-                   "--port", str(store.port), "--out", tmp, "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), "--size", args.size, "--device", args.device]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(HERE)))
-        deadline = time.monotonic() + args.deadline
-        timed_out = False
-        try:
-            while any(p.poll() is None for p in procs):
-                if time.monotonic() > deadline:
-                    timed_out = True
-                    break
-                if any(p.poll() not in (None, 0) for p in procs):
-                    time.sleep(2.0)  # let the other rank print its own error
-                    break
-                time.sleep(0.1)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            for p in procs:
-                p.wait(timeout=60)
-            for log in logs:
-                log.close()
-        logs_text = "\n".join(
-            f"--- rank {r} (exit {p.returncode}):\n" + (Path(tmp) / f"rank{r}.log").read_text(errors="replace")[-3000:]
-            for r, p in enumerate(procs))
+        cmds = [[sys.executable, str(Path(__file__).resolve()), "--worker", "--rank", str(rank),
+                 "--port", str(store.port), "--out", tmp, "--steps", str(args.steps),
+                 "--warmup", str(args.warmup), "--size", args.size, "--device", args.device]
+                for rank in range(world)]
+        logs_text = run_ranks(cmds, [env] * world, tmp, args.deadline, HERE)
         outs = [Path(tmp) / f"result-rank{r}.json" for r in range(world)]
-        if timed_out:
-            raise RuntimeError(f"timed out after {args.deadline:.0f} s:\n{logs_text}")
-        if any(p.returncode != 0 for p in procs) or not all(o.exists() for o in outs):
-            raise RuntimeError(f"workers failed:\n{logs_text}")
+        if not all(o.exists() for o in outs):
+            raise RuntimeError(f"workers wrote no results:\n{logs_text}")
         return [json.loads(o.read_text()) for o in outs]
 
 

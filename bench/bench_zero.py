@@ -100,7 +100,6 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -114,7 +113,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from common import _cpu_model, machine_info, machine_slug  # noqa: E402
+from common import _cpu_model, machine_info, machine_slug, run_ranks  # noqa: E402
 
 WORLD = 2
 BATCH = 64  # per rank
@@ -386,47 +385,18 @@ def run_config(config: str, args, steps: int = None, only=None) -> dict:
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=60), wait_for_workers=False)
     with tempfile.TemporaryDirectory(prefix=f"fusetrain_bench_zero_{config}_") as tmp:
         env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS=str(THREADS))
-        procs, logs = [], []
+        cmds = []
         for rank in range(WORLD):
-            log = open(Path(tmp) / f"rank{rank}.log", "w")
-            logs.append(log)
             cmd = [
                 sys.executable, str(Path(__file__).resolve()), "--worker", config, "--rank", str(rank),
                 "--port", str(store.port), "--out", tmp, "--steps", str(args.steps if steps is None else steps),
                 "--warmup", str(args.warmup), "--backend", args.backend,
             ]
-            if only:
-                cmd += ["--only", *only]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(HERE)))
-        deadline = time.monotonic() + args.deadline
-        timed_out = False
-        try:
-            while any(p.poll() is None for p in procs):
-                if time.monotonic() > deadline:
-                    timed_out = True
-                    break
-                # one rank failing leaves the other waiting in a collective
-                if any(p.poll() not in (None, 0) for p in procs):
-                    time.sleep(2.0)  # let the other one print its own error, if any
-                    break
-                time.sleep(0.1)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            for p in procs:
-                p.wait(timeout=60)
-            for log in logs:
-                log.close()
-        logs_text = "\n".join(
-            f"--- rank {r} (exit {p.returncode}):\n" + (Path(tmp) / f"rank{r}.log").read_text(errors="replace")[-3000:]
-            for r, p in enumerate(procs)
-        )
+            cmds.append(cmd + (["--only", *only] if only else []))
+        logs_text = run_ranks(cmds, [env] * WORLD, tmp, args.deadline, HERE)
         outs = [Path(tmp) / f"result-rank{r}.json" for r in range(WORLD)]
-        if timed_out:
-            raise RuntimeError(f"timed out after {args.deadline:.0f} s:\n{logs_text}")
-        if any(p.returncode != 0 for p in procs) or not all(o.exists() for o in outs):
-            raise RuntimeError(f"workers failed:\n{logs_text}")
+        if not all(o.exists() for o in outs):
+            raise RuntimeError(f"workers wrote no results:\n{logs_text}")
         ranks = [json.loads(o.read_text()) for o in outs]
         flats = [torch.load(p) for p in (Path(tmp) / f"params-rank{r}.pt" for r in range(WORLD)) if p.exists()]
     del store

@@ -368,3 +368,49 @@ def guarded(ctx: Context, name: str, fn, *args) -> list:
         rows = [error_row(name, e)]
     release(ctx)  # outside the handler: the traceback no longer holds the tensors
     return rows
+
+
+def run_ranks(cmds: List[List[str]], envs: List[dict], log_dir, deadline_s: float, cwd,
+              tail_chars: int = 3000) -> str:
+    """Runs one worker process per rank (``cmds[r]`` with ``envs[r]``, output
+    to ``log_dir/rank{r}.log``) until all exit, one fails (the others would
+    wait in a collective: they are killed two seconds later, once they have
+    printed their own errors) or ``deadline_s`` passes. Returns the tail of
+    every rank's log, for the caller's own checks of what the workers wrote;
+    raises RuntimeError with those tails when a rank failed or time ran out."""
+    from pathlib import Path
+
+    log_dir = Path(log_dir)
+    procs, logs = [], []
+    deadline = time.monotonic() + deadline_s
+    timed_out = False
+    try:
+        for rank, (cmd, env) in enumerate(zip(cmds, envs)):
+            log = open(log_dir / f"rank{rank}.log", "w")
+            logs.append(log)
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(cwd)))
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            if any(p.poll() not in (None, 0) for p in procs):
+                time.sleep(2.0)
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait(timeout=60)
+        for log in logs:
+            log.close()
+    tails = "\n".join(
+        f"--- rank {r} (exit {p.returncode}):\n"
+        + (log_dir / f"rank{r}.log").read_text(errors="replace")[-tail_chars:]
+        for r, p in enumerate(procs))
+    if timed_out:
+        raise RuntimeError(f"timed out after {deadline_s:.0f} s:\n{tails}")
+    if any(p.returncode != 0 for p in procs):
+        raise RuntimeError(f"workers failed:\n{tails}")
+    return tails
