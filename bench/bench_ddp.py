@@ -41,7 +41,6 @@ import json
 import os
 import sys
 import tempfile
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
@@ -54,7 +53,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from common import Context, interleave, median, result, run_ranks, spread  # noqa: E402
+from common import Context, interleave, median, result, run_ranks, run_worker, spread  # noqa: E402
 
 NAME = "ddp"
 
@@ -269,13 +268,7 @@ def worker_main(argv, workers: dict) -> None:
     mode "gpu"), runs ``workers[mode](ctx, rank, world, arg)``, has rank 0
     write what it returns (a JSON-able dict) for ``launch_workers`` and exits,
     0 or, after printing the traceback, 1."""
-    try:
-        _worker(argv, workers)
-    except Exception:
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+    run_worker(_worker, argv, workers)
 
 
 def _worker(argv, workers: dict) -> None:

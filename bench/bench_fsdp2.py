@@ -82,7 +82,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -92,7 +91,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from common import _cpu_model, machine_info, machine_slug, run_ranks  # noqa: E402
+from common import _cpu_model, machine_info, machine_slug, run_ranks, run_worker  # noqa: E402
 
 WORLD = 2  # ranks on the CPU
 WORLD_CUDA = 1  # ranks on CUDA: one GPU, and NCCL refuses two ranks on one GPU
@@ -341,13 +340,7 @@ def main(argv) -> None:
     ap.add_argument("--no-write", action="store_true", help="print the table only")
     args = ap.parse_args(argv)
     if args.worker:
-        try:
-            worker(args)
-        except Exception:
-            traceback.print_exc()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
+        run_worker(worker, args)
         return
 
     cuda = args.device == "cuda"

@@ -103,7 +103,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -113,7 +112,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from common import _cpu_model, machine_info, machine_slug, run_ranks  # noqa: E402
+from common import _cpu_model, machine_info, machine_slug, run_ranks, run_worker  # noqa: E402
 
 WORLD = 2
 BATCH = 64  # per rank
@@ -433,16 +432,7 @@ def main(argv) -> None:
                          "(gloo with the shared-memory collectives in front, Note [Shared-memory allreduce])")
     args = ap.parse_args(argv)
     if args.worker:
-        try:
-            if args.worker == "interleaved":
-                interleaved_worker(args)
-            else:
-                worker(args)
-        except Exception:
-            traceback.print_exc()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
+        run_worker(interleaved_worker if args.worker == "interleaved" else worker, args)
         return
 
     cores = os.cpu_count()

@@ -414,3 +414,19 @@ def run_ranks(cmds: List[List[str]], envs: List[dict], log_dir, deadline_s: floa
     if any(p.returncode != 0 for p in procs):
         raise RuntimeError(f"workers failed:\n{tails}")
     return tails
+
+
+def run_worker(fn, *args) -> None:
+    """A worker process's body for ``run_ranks``: ``fn(*args)``, and on an
+    exception its traceback printed and the process ended at once with status
+    1 (no atexit or process-group teardown that could hang on the ranks still
+    waiting in a collective)."""
+    try:
+        fn(*args)
+    except Exception:
+        traceback.print_exc()
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
