@@ -11,6 +11,7 @@ Needs ``pip install "fusetrain[accelerate]"``.
 """
 
 import argparse
+import gc
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,7 @@ parser.add_argument("--output-dir", default="accelerate_checkpoint", help="where
 args = parser.parse_args()
 
 
-def main(checkpoint: str) -> None:
+def main(checkpoint: str):
     accelerator = Accelerator(mixed_precision=args.precision, cpu=args.cpu)
     if args.precision == "fp16":
         # Accelerate trains fp16 runs of a CPU in float32; this makes them fp16
@@ -64,7 +65,18 @@ def main(checkpoint: str) -> None:
     last = accelerator.reduce(torch.stack(losses[-tenth:]).mean(), "mean")
     accelerator.print(f"accelerate ({args.precision}, {accelerator.num_processes} processes): "
                       f"loss {float(first):.4f} -> {float(last):.4f}")
+    group = torch.distributed.group.WORLD  # None in a single process
+    accelerator.end_training()
+    return group
 
 
 if __name__ == "__main__":
-    main(args.output_dir)
+    group = main(args.output_dir)
+    # torch's DDP holds the process group from C++ and lets go of it with the
+    # GIL held; a gloo worker still dropping a finished collective's tensor
+    # needs the GIL, so the group's last release must not happen there, nor in
+    # the interpreter's exit (pytorch/pytorch#190489). The prepared model sits
+    # in reference cycles: collect it while we still hold the group, then drop
+    # the group from Python, whose release joins gloo's threads without the GIL.
+    gc.collect()
+    del group

@@ -13,6 +13,7 @@ Needs ``pip install "fusetrain[hf]"``.
 """
 
 import argparse
+import gc
 import tempfile
 
 import torch
@@ -40,7 +41,7 @@ def counting_sequences(n: int, seed: int) -> list:
     return [{"input_ids": row, "labels": row} for row in ids]
 
 
-def main(output_dir: str) -> None:
+def main(output_dir: str):
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=args.width,
                                      n_layer=args.layers, n_head=4)
     model = transformers.GPT2LMHeadModel(config)
@@ -67,11 +68,21 @@ def main(output_dir: str) -> None:
     if trainer.is_world_process_zero():
         print(f"hf_trainer ({args.precision}{', master weights' if args.master_weights else ''}): "
               f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+    trainer.accelerator.end_training()  # under torchrun: ends the process group
+    return group
 
 
 if __name__ == "__main__":
     if args.output_dir:
-        main(args.output_dir)
+        group = main(args.output_dir)
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            main(tmp)
+            group = main(tmp)
+    # Under torchrun, torch's DDP holds the process group from C++ and lets go
+    # of it with the GIL held, which deadlocks against a gloo worker that still
+    # needs the GIL to drop a finished collective's tensor (pytorch/pytorch#56297).
+    # Collect the Trainer's reference cycles while we still hold the group, then
+    # drop the group from Python, whose release joins gloo's threads without the GIL.
+    gc.collect()
+    del group

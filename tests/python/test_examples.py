@@ -94,6 +94,15 @@ def test_hf_trainer(precision):
     _assert_loss_falls(out, f"hf_trainer ({precision}")
 
 
+@_needs("transformers", "hf")
+def test_hf_trainer_under_torchrun():
+    # Two processes also exercise the example's shutdown: torch's DDP used to
+    # hang or abort one run in three at exit (see the example's last lines).
+    out = _run(_torchrun(EXAMPLES / "hf_trainer.py", "--steps", "20", "--layers", "2", "--width", "32"),
+               timeout=240)
+    _assert_loss_falls(out, "hf_trainer (bf16")
+
+
 @_needs("accelerate", "accelerate")
 def test_accelerate_two_processes(tmp_path):
     out = _run(_torchrun(EXAMPLES / "accelerate_train.py", "--cpu", "--steps", "40", "--width", "64",
