@@ -21,6 +21,32 @@ std::vector<at::Tensor> from_optional(const std::vector<std::optional<at::Tensor
   return out;
 }
 
+// Note [Holders that let go of a process group]
+// A Reducer or ShardedParameters may hold the last reference to a process
+// group, whose gloo backend joins its worker threads when it dies. A worker
+// that has just finished a collective called from Python drops that
+// collective's tensors next, and dropping a tensor Python has seen takes the
+// GIL. pybind11 deletes a holder with the GIL held, so the join and the
+// worker would wait on each other forever (pytorch/pytorch#56297): the first
+// `del model` after a Python all_reduce and destroy_process_group() hung.
+// Our holders delete with the GIL released, as torch's own process-group
+// holders do; anything Python that the object still owns takes the GIL back
+// itself (c10's decref and c10d::PythonCommHook's destructor do).
+template <typename T>
+struct DeleteWithoutGil {
+  void operator()(T* p) const noexcept {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release no_gil;
+      delete p;
+    } else {
+      delete p;
+    }
+  }
+};
+
+template <typename T>
+using HolderWithoutGil = std::unique_ptr<T, DeleteWithoutGil<T>>;
+
 std::optional<at::Tensor> maybe(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
@@ -218,7 +244,8 @@ PYBIND11_MODULE(_C, m) {
         [](const ProcessGroupPtr& group) { return dist::uses_shared_memory(group); });
   m.def("shared_memory_collectives",
         [](const ProcessGroupPtr& group) { return dist::shared_memory_collectives(group); });
-  py::class_<dist::Reducer>(m, "Reducer")
+  // Note [Holders that let go of a process group]
+  py::class_<dist::Reducer, HolderWithoutGil<dist::Reducer>>(m, "Reducer")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        ProcessGroupPtr group, double bucket_cap_mb, double first_bucket_cap_mb,
                        bool find_unused_parameters, bool gradient_as_bucket_view,
@@ -232,8 +259,8 @@ PYBIND11_MODULE(_C, m) {
                  .comm_dtype(parse_comm_dtype(comm_dtype))
                  .gradient_predivide_factor(gradient_predivide_factor)
                  .shard_gradients(shard_gradients);
-             return std::make_unique<dist::Reducer>(std::move(params), std::move(names),
-                                                    std::move(group), o);
+             return HolderWithoutGil<dist::Reducer>(
+                 new dist::Reducer(std::move(params), std::move(names), std::move(group), o));
            }),
            py::arg("params"), py::arg("names"), py::arg("process_group"), py::arg("bucket_cap_mb"),
            py::arg("first_bucket_cap_mb"), py::arg("find_unused_parameters"),
@@ -315,7 +342,9 @@ PYBIND11_MODULE(_C, m) {
         py::arg("tensors"), py::call_guard<py::gil_scoped_release>());
   m.def("broadcast_from", &dist::broadcast_from, py::arg("process_group"), py::arg("tensors"),
         py::arg("root"), py::call_guard<py::gil_scoped_release>());
-  py::class_<dist::ShardedParameters>(m, "ShardedParameters")
+  // Note [Holders that let go of a process group]
+  py::class_<dist::ShardedParameters, HolderWithoutGil<dist::ShardedParameters>>(
+      m, "ShardedParameters")
       .def(py::init<std::vector<at::Tensor>, std::vector<std::vector<size_t>>, ProcessGroupPtr,
                     bool>(),
            py::arg("params"), py::arg("buckets"), py::arg("process_group"),

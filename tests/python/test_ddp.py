@@ -868,6 +868,38 @@ def sc_gil_release(pg, rank, world):
     return {"iterations": 200}
 
 
+def sc_last_group_reference(pg, rank, world):
+    """Regression (Note [Holders that let go of a process group]): a DDP model
+    or ZeRO optimizer that outlives its group's destroy_process_group holds
+    the group's last reference; letting go of it joins gloo's workers, one of
+    which may still be dropping the tensor of a Python all_reduce and needs
+    the GIL. Deleting with the GIL held hung on the first round (2 of 2 runs)."""
+    import torch.distributed as dist
+
+    from fusetrain.parallel import DistributedDataParallel as DDP
+    from fusetrain.zero import ZeroRedundancyOptimizer
+
+    rounds = 20
+    for i in range(rounds):
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))
+        model = DDP(nn.Linear(8, 8), process_group=group)
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1,
+                                       process_group=group)
+        model(torch.randn(4, 8)).sum().backward()
+        zero.step()
+        total = torch.ones(3)
+        dist.all_reduce(total, group=group)
+        del total
+        dist.destroy_process_group(group)
+        del group
+        if i % 2:  # either may be the last holder
+            del model, zero
+        else:
+            del zero, model
+    dist.barrier(group=pg)
+    return {"rounds": rounds}
+
+
 def sc_nccl_world1(pg, rank, world):
     """NCCL, one GPU: DDP training equals plain training bit for bit (w=1:
     no division, the allreduce is the identity)."""
@@ -896,7 +928,7 @@ def sc_nccl_world1(pg, rank, world):
 SUITES = {
     "core": [sc_equivalence, sc_rebuilt_buckets, sc_no_sync, sc_predivide, sc_diverged_init, sc_mismatched_shapes, sc_unused_error,
              sc_find_unused, sc_comm_bf16, sc_grad_as_bucket_view, sc_channels_last, sc_grad_scaler,
-             sc_state_dict, sc_overlap, sc_gil_release],
+             sc_state_dict, sc_overlap, sc_gil_release, sc_last_group_reference],
     "dead_rank": [sc_dead_rank],
     "stalled_rank": [sc_stalled_rank],
     "nccl": [sc_nccl_world1],
@@ -1132,6 +1164,14 @@ def test_stalled_rank_times_out_the_others(tmp_path):
     assert "DistributedDataParallel" in d["message"] and "allreduce" in d["message"], d["message"]
     assert "imed out" in d["message"] or "timeout" in d["message"].lower(), d["message"]
     assert STALL_TIMEOUT_S * 0.9 <= d["seconds"] <= STALL_TIMEOUT_S + 5, d["seconds"]
+
+
+def test_last_reference_to_a_group_is_dropped_without_the_gil(core):
+    """The launch's deadline fails this on a hang, with each rank's stack
+    ending in ProcessGroupGloo's destructor."""
+    world, results = core
+    for d in findings(results, "last_group_reference"):
+        assert d["rounds"] == 20
 
 
 def test_collectives_release_the_gil(core):
