@@ -13,6 +13,7 @@ teacher; each rank draws its own batches.
 """
 
 import argparse
+import gc
 import os
 import time
 
@@ -98,6 +99,12 @@ def main() -> None:
         print(f"{which}: loss {first:.4f} -> {last:.4f}, {args.steps / seconds:.1f} steps/s, "
               f"scale {scaler.get_scale():g}")
     if distributed:
+        # The DDP model holds the group: let it go first, while the group is
+        # still registered. Left to the interpreter's exit, torch's DDP frees
+        # it with the GIL held and a gloo worker that needs the GIL to drop the
+        # all_reduce's tensor aborts the process (pytorch/pytorch#56297).
+        del model
+        gc.collect()  # DDP sits in reference cycles
         dist.destroy_process_group()
 
 
