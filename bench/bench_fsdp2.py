@@ -77,7 +77,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -91,7 +90,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from common import _cpu_model, machine_info, machine_slug, run_ranks, run_worker  # noqa: E402
+from common import launcher_info, load_averages, machine_slug, run_ranks, run_worker  # noqa: E402
 
 WORLD = 2  # ranks on the CPU
 WORLD_CUDA = 1  # ranks on CUDA: one GPU, and NCCL refuses two ranks on one GPU
@@ -357,23 +356,11 @@ def main(argv) -> None:
             print(f"bench_fsdp2: --device cuda but torch {torch.__version__} has no NCCL", file=sys.stderr)
             sys.exit(2)
     world = _world(args.device)
-    cores = os.cpu_count()
-    cpu = _cpu_model()
-    load_start = [round(x, 2) for x in os.getloadavg()]
-    probed = machine_info(torch.device("cpu"), THREADS)
     info = {
-        "cpu_model": cpu,
-        "cpu_cores": cores,
-        **{k: probed[k] for k in ("cpu_isa", "cpu_amx_bf16", "cpu_avx512_bf16", "git", "fusetrain") if k in probed},
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
+        **launcher_info(THREADS),
         "device": args.device,
         "world": world,
         "backend": ("gloo (dry run of the CUDA path)" if dry else "nccl") if cuda else "gloo (loopback)",
-        "threads_per_rank": THREADS,
-        "loadavg_start": load_start[0],
-        "loadavg_1_5_15_start": load_start,
     }
     size = SIZES[args.size]
     if cuda:
@@ -382,13 +369,13 @@ def main(argv) -> None:
               f"batch {BATCH}x{size['context']} tokens; {args.warmup} warm-up + {args.steps} timed iterations of "
               f"the {len(CONFIGS)} configurations interleaved, synchronize() around each timed region", flush=True)
     else:
-        print(f"bench_fsdp2: {WORLD} ranks x {THREADS} thread(s) on {cores} cores ({cpu}), gloo, GPT {size} under "
-              f"fully_shard (per block + root), batch {BATCH}x{size['context']} tokens/rank; {args.warmup} warm-up + "
-              f"{args.steps} timed iterations of the {len(CONFIGS)} configurations interleaved; load average "
-              f"{load_start[0]:.2f}", flush=True)
+        print(f"bench_fsdp2: {WORLD} ranks x {THREADS} thread(s) on {info['cpu_cores']} cores ({info['cpu_model']}), "
+              f"gloo, GPT {size} under fully_shard (per block + root), batch {BATCH}x{size['context']} tokens/rank; "
+              f"{args.warmup} warm-up + {args.steps} timed iterations of the {len(CONFIGS)} configurations "
+              f"interleaved; load average {info['loadavg_start']:.2f}", flush=True)
     t0 = time.monotonic()
     ranks = run_workers(args)
-    load_end = [round(x, 2) for x in os.getloadavg()]
+    load_end = load_averages()
     info["loadavg_end"] = load_end[0]
     info["loadavg_1_5_15_end"] = load_end
     r0 = ranks[0]
@@ -445,8 +432,9 @@ def main(argv) -> None:
     diff = r0["max_param_diff_vs_fusetrain"]["torch_fused"]
     print(f"\nfinal parameters, FusedAdamW vs torch's fused AdamW: max |difference| {diff:.2e} "
           f"({'ok' if diff <= MATCH_TOL else 'OVER'} the {MATCH_TOL:g} bound)")
-    if cores and load_start[0] > cores / 2:
-        print(f"WARNING: load average {load_start[0]:.2f} on {cores} cores before the run: the machine was busy")
+    cores = info["cpu_cores"]
+    if cores and info["loadavg_start"] > cores / 2:
+        print(f"WARNING: load average {info['loadavg_start']:.2f} on {cores} cores before the run: the machine was busy")
     if cuda and "cuda_max_memory_allocated_gib" in r0:
         print(f"peak CUDA memory allocated: {r0['cuda_max_memory_allocated_gib']:.2f} GiB (the three configurations)")
     if args.no_write:
@@ -457,7 +445,7 @@ def main(argv) -> None:
     sized = f"-{args.size}" if args.size != "default" else ""
     dryrun = "-dryrun" if dry else ""
     # machine_slug names the GPU where there is one, as for every benchmark's CUDA results
-    slug = machine_slug(dict(probed, cpu_model=cpu, cpu_cores=cores, gpu=r0.get("gpu")))
+    slug = machine_slug(dict(info, gpu=r0.get("gpu")))
     out = out_dir / f"fsdp2{sized}{dryrun}-{slug}-{datetime.date.today().isoformat()}.json"
     if cuda:
         timing = ("one process (1 rank, NCCL, GPU 0) holds all three configurations; every iteration visits each "

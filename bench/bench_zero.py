@@ -97,7 +97,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import resource
 import statistics
 import sys
@@ -112,7 +111,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from common import _cpu_model, machine_info, machine_slug, run_ranks, run_worker  # noqa: E402
+from common import launcher_info, load_averages, machine_slug, run_ranks, run_worker  # noqa: E402
 
 WORLD = 2
 BATCH = 64  # per rank
@@ -406,10 +405,6 @@ def _fmt(x, spec=".1f", none="-"):
     return none if x is None else format(x, spec)
 
 
-def _loadavg():
-    return [round(x, 2) for x in os.getloadavg()]
-
-
 def _ms(seconds):
     return [t * 1e3 for t in seconds]
 
@@ -435,29 +430,14 @@ def main(argv) -> None:
         run_worker(interleaved_worker if args.worker == "interleaved" else worker, args)
         return
 
-    cores = os.cpu_count()
-    cpu = _cpu_model()
-    load_start = _loadavg()
-    probed = machine_info(torch.device("cpu"), THREADS)  # (imports fusetrain here, not in the torch workers)
-    info = {
-        "cpu_model": cpu,
-        "cpu_cores": cores,
-        **{k: probed[k] for k in ("cpu_isa", "cpu_amx_bf16", "cpu_avx512_bf16", "git") if k in probed},
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "world": WORLD,
-        "backend": BACKENDS[args.backend],
-        "threads_per_rank": THREADS,
-        "loadavg_start": load_start[0],
-        "loadavg_1_5_15_start": load_start,
-    }
+    info = {**launcher_info(THREADS), "world": WORLD, "backend": BACKENDS[args.backend]}
     configs = args.only or list(CONFIGS)
     print(
-        f"bench_zero: {WORLD} ranks x {THREADS} thread(s) on {cores} cores ({cpu}), {BACKENDS[args.backend]}, "
+        f"bench_zero: {WORLD} ranks x {THREADS} thread(s) on {info['cpu_cores']} cores ({info['cpu_model']}), "
+        f"{BACKENDS[args.backend]}, "
         f"batch {BATCH}/rank, AdamW lr {LR}; isolated: {args.warmup} warm-up + {args.steps} timed steps per "
         f"configuration; interleaved: {args.warmup} warm-up + {args.interleaved_steps} timed iterations of all "
-        f"{len(configs)}; load average {load_start[0]:.2f}",
+        f"{len(configs)}; load average {info['loadavg_start']:.2f}",
         flush=True,
     )
     found, errors = {}, {}
@@ -473,7 +453,7 @@ def main(argv) -> None:
 
     # The interleaved pass: every configuration in one pair of processes.
     inter, inter_error = None, None
-    load_inter_start = _loadavg()
+    load_inter_start = load_averages()
     t0 = time.monotonic()
     try:
         inter = run_config("interleaved", args, steps=args.interleaved_steps, only=configs)
@@ -482,8 +462,8 @@ def main(argv) -> None:
     except Exception as e:  # noqa: BLE001 - the isolated results still get written
         inter_error = f"{type(e).__name__}: {e}"
         print(f"  interleaved pass: FAILED after {time.monotonic() - t0:.0f} s\n{inter_error}", flush=True)
-    load_inter_end = _loadavg()
-    load_end = _loadavg()
+    load_inter_end = load_averages()
+    load_end = load_averages()
     info["loadavg_interleaved_start"] = load_inter_start[0]
     info["loadavg_interleaved_end"] = load_inter_end[0]
     info["loadavg_end"] = load_end[0]
@@ -563,7 +543,7 @@ def main(argv) -> None:
     print()
     print(
         f"MLP {nparams / 1e6:.2f}M params fp32, batch {BATCH}/rank, {WORLD} ranks x {THREADS} thread on "
-        f"{cores} cores ({cpu}), torch {torch.__version__}; rank 0's step times: interleaved pass "
+        f"{info['cpu_cores']} cores ({info['cpu_model']}), torch {torch.__version__}; rank 0's step times: interleaved pass "
         f"{args.interleaved_steps} iterations (all configurations, rotated order), isolated {args.steps} steps "
         f"per configuration"
         if nparams else "no configuration ran"
@@ -617,6 +597,7 @@ def main(argv) -> None:
             print(f"WARNING: {row['label']}: in the interleaved pass, parameters differ from unsharded fusetrain by "
                   f"{max(inter_diff):.2e} > {MATCH_TOL:g}")
     # (only the start's: during the run the two workers themselves load the machine by about 2)
+    cores = info["cpu_cores"]
     if cores and info["loadavg_start"] > cores / 2:
         print(f"WARNING: load average {info['loadavg_start']:.2f} on {cores} cores before the run: the machine "
               "was busy")

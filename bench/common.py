@@ -319,6 +319,24 @@ def loadavg() -> Optional[float]:
     return _loadavg()
 
 
+def load_averages() -> List[float]:
+    """The 1-, 5- and 15-minute load averages."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def launcher_info(threads_per_rank: int) -> dict:
+    """What a multi-process benchmark's launcher records of the machine (the
+    CPU, its vector paths, the versions) and of its load as the run starts;
+    the launcher adds its world, backend and the end load."""
+    load = load_averages()
+    probed = machine_info(torch.device("cpu"), threads_per_rank)  # imports fusetrain here, not in torch's workers
+    keep = ("cpu_model", "cpu_cores", "cpu_isa", "cpu_amx_bf16", "cpu_avx512_bf16", "git", "fusetrain",
+            "cpu_capability", "torch", "python")
+    info = {k: probed[k] for k in keep if k in probed}
+    info.update(threads_per_rank=threads_per_rank, loadavg_start=load[0], loadavg_1_5_15_start=load)
+    return info
+
+
 def machine_slug(info: dict) -> str:
     """A file-name-safe machine name: the GPU for CUDA runs, else the CPU
     model, its best vector ISA where that is AVX-512 and "amx" where it has
