@@ -66,6 +66,10 @@ def _step_times(ctx: Context, sizes: dict, precision: str, variant: str, out: st
         def __init__(self):
             self.stamps, self.optimizer, self.clip_started = [], [], None
 
+        def on_pre_optimizer_step(self, args, state_, control, **kwargs):
+            if variant == "ours_clip":  # no Trainer clipping: the part starts here
+                self.clip_started = now()
+
         def on_optimizer_step(self, args, state_, control, **kwargs):
             self.optimizer.append(now() - self.clip_started)
 
@@ -75,18 +79,12 @@ def _step_times(ctx: Context, sizes: dict, precision: str, variant: str, out: st
     clock = StepClock()
 
     class Trainer(transformers.Trainer):
-        """Stamps the start of clipping (no callback precedes it); without the
-        Trainer's clipping, the pre-optimizer-step callback is the start."""
+        """Stamps the start of clipping, which no callback precedes."""
 
         def _clip_grad_norm(self, model):
             clock.clip_started = now()
             return super()._clip_grad_norm(model)
 
-    def pre_step(args, state_, control, **kwargs):
-        if variant == "ours_clip":
-            clock.clip_started = now()
-
-    clock.on_pre_optimizer_step = pre_step
     config = transformers.GPT2Config(vocab_size=sizes["vocab"], n_positions=sizes["seq"], n_embd=sizes["width"],
                                      n_layer=sizes["layers"], n_head=4)
     model = transformers.GPT2LMHeadModel(config)
