@@ -33,6 +33,12 @@ RSS follows the live tensors rather than glibc's heap. On CUDA it is
 ``torch.cuda.max_memory_allocated`` minus the allocated memory before the call,
 in this process (the caching allocator's counters are exact).
 
+On CUDA two more rows put the figures in context: the GEMM floor (the
+three GEMMs alone, timed in the same run: no variant does fewer flops, so
+eager / floor is the most any of them can gain) with the memory floor under
+fp32 accumulation, and a sweep of batch_chunk_size (256 ... 8192 rows, time
+and peak) behind the CUDA chunk rule.
+
 Goals (issue 38): CPU, 8192 x 768 -> 32768 / 50257, bf16 and fp32, at least
 1.2x eager's time, and at 50257 at most 1/8 of eager's peak memory; CUDA,
 16384 x 4096 -> 128256 bf16, at least 1.3x and at most 1/10.
@@ -276,7 +282,7 @@ def bench_config(ctx: Context, n: int, h: int, c: int, dname: str, with_recomput
     x.grad = w.grad = None
     del fns, setup
 
-    chunk = _lce_chunk_rows(n, h, c, dtype)
+    chunk = _lce_chunk_rows(n, h, c, dtype, ctx.device.type)
     esize = torch.empty((), dtype=dtype).element_size()
     grads_mib = (n * h + c * h) * esize / MIB
     logits_mib = n * c * esize / MIB
@@ -328,6 +334,8 @@ def bench_config(ctx: Context, n: int, h: int, c: int, dname: str, with_recomput
         meets_memory_goal=meets_mem,
         **common_extra,
     )]
+    if ctx.is_cuda:
+        rows += cuda_floor_and_sweep(ctx, x, w, t, label, med, peak, chunk, common_extra)
     if not with_recompute:
         return rows
     rec_ratio = med["recompute"] / med["ours"]
@@ -347,6 +355,92 @@ def bench_config(ctx: Context, n: int, h: int, c: int, dname: str, with_recomput
         spread_ours=spread(times["ours"]),
         spread_torch=spread(times["recompute"]),
         time_ratio_false_over_true=rec_ratio,
+        **common_extra,
+    ))
+    return rows
+
+
+SWEEP_ROWS = (256, 512, 1024, 2048, 4096, 8192)
+
+
+def cuda_floor_and_sweep(ctx: Context, x, w, t, label: str, med: dict, peak: dict, chunk: int,
+                         common_extra: dict) -> list:
+    """Two CUDA rows that say what the goals' figures mean:
+
+    - the GEMM floor: the three GEMMs every variant does (z = x W^T,
+      dx = g W, dW = g^T x), timed alone in this run, against ours and eager.
+      No chunking and no fused loss makes fewer flops, so eager / floor bounds
+      the time ratio any such implementation can reach here; and the memory
+      floor under fp32 accumulation: the gradients plus the fp32 dW
+      accumulator, C x H x 4 bytes (Note [Chunked linear cross-entropy]);
+    - the chunk sweep: ours at batch_chunk_size 256 ... 8192 rows, time and
+      peak, the data behind the CUDA chunk rule (at least 2048 rows)."""
+    n, h = x.shape
+    c = w.shape[0]
+    esize = x.element_size()
+    with torch.no_grad():
+        xd, wd = x.detach(), w.detach()
+        z = torch.mm(xd, wd.t())  # [N, C], held by the floor's calls
+        gemms = {
+            "z = x W^T": lambda: torch.mm(xd, wd.t()),
+            "dx = g W": lambda: torch.mm(z, wd),
+            "dW = g^T x": lambda: torch.mm(z.t(), xd),
+        }
+        gemm_times = interleave(gemms, ctx, warmup=ctx.warmup, repeats=max(5, ctx.repeats // 2))
+        del z
+    gemm_ms = {k: median(v) * 1e3 for k, v in gemm_times.items()}
+    floor_ms = sum(gemm_ms.values())
+    tflops = 6.0 * n * c * h / (floor_ms * 1e-3) / 1e12
+    accumulator_mib = c * h * 4 / MIB if x.dtype != torch.float32 else 0.0
+    memory_floor_mib = (n * h + c * h) * esize / MIB + accumulator_mib
+    floor_notes = (
+        f"{label}; ours column = ours, torch column = the GEMM floor (the 3 GEMMs alone: "
+        + ", ".join(f"{k} {v:.1f} ms" for k, v in gemm_ms.items())
+        + f"; {tflops:.0f} TFLOP/s); eager {med['torch'] * 1e3:.1f} ms = {med['torch'] * 1e3 / floor_ms:.2f}x the floor, "
+        f"so no implementation of these GEMMs beats eager by more than {med['torch'] * 1e3 / floor_ms:.2f}x; "
+        f"memory floor with fp32 dW accumulation {memory_floor_mib:.0f} MiB "
+        f"(eager peak / floor {peak['torch'] / memory_floor_mib:.1f}x)"
+    )
+    rows = [result(
+        f"linear+CE vs its GEMM floor, {label}",
+        ours=med["ours"] * 1e3,
+        torch_=floor_ms,
+        unit="ms",
+        higher_is_better=False,
+        notes=floor_notes,
+        gemm_ms=gemm_ms,
+        gemm_tflops=tflops,
+        eager_over_floor=med["torch"] * 1e3 / floor_ms,
+        memory_floor_mib=memory_floor_mib,
+        eager_peak_over_memory_floor=peak["torch"] / memory_floor_mib,
+        **common_extra,
+    )]
+
+    lce = fusetrain.nn.functional.linear_cross_entropy
+    sweep = [r for r in SWEEP_ROWS if r < n]
+    losses = {}
+    fns = {f"{r} rows": step_fn(lambda x_, w_, t_, r=r: lce(x_, w_, t_, options=LinearCrossEntropyOptions(
+        batch_chunk_size=r)), x, w, t, losses, f"{r} rows") for r in sweep}
+    setup = {k: clear_grads(x, w) for k in fns}
+    sweep_times = interleave(fns, ctx, setup=setup, warmup=1, repeats=3)
+    sweep_ms = {k: median(v) * 1e3 for k, v in sweep_times.items()}
+    sweep_peak = {k: peak_cuda(ctx, setup[k], fns[k]) for k in fns}
+    x.grad = w.grad = None
+    best = min(sweep_ms, key=sweep_ms.get)
+    sweep_notes = (
+        f"{label}; ours column = the default rule's {chunk} rows ({med['ours'] * 1e3:.1f} ms), torch column = "
+        f"the fastest of the sweep ({best}); ms / peak MiB: "
+        + ", ".join(f"{k} {sweep_ms[k]:.1f} / {sweep_peak[k]:.0f}" for k in fns)
+    )
+    rows.append(result(
+        f"linear+CE chunk sweep, {label}",
+        ours=med["ours"] * 1e3,
+        torch_=sweep_ms[best],
+        unit="ms",
+        higher_is_better=False,
+        notes=sweep_notes,
+        sweep_ms=sweep_ms,
+        sweep_peak_mib=sweep_peak,
         **common_extra,
     ))
     return rows

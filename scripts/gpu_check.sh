@@ -269,6 +269,8 @@ grep -E "^\| fp8 (linear|GEMM|crossover|GPT block|gpt train,)" "$OUTDIR/gpu_benc
 # fsdp2: each size's parameter count, its table and the parameter check (or the error).
 grep -E "^([0-9.]+M parameters|\| (optimizer|fusetrain|torch) |final parameters|peak CUDA|bench_fsdp2: --device|[A-Za-z]*Error)" \
   "$OUTDIR/gpu_bench_fsdp2.log"
+# linear cross-entropy: ours vs eager, vs the GEMM floor, and the chunk sweep.
+[ -f "$OUTDIR/gpu_bench_lce.log" ] && grep -E "^\| linear\+CE" "$OUTDIR/gpu_bench_lce.log" | awk '!seen[$0]++' | cut -c1-600
 [ -f "$OUTDIR/gpu_bench_integrations.log" ] && grep -E "^\| (lightning|hf trainer)" "$OUTDIR/gpu_bench_integrations.log" | awk '!seen[$0]++' | cut -c1-220
 tail -25 "$OUTDIR/gpu_bench_rest.log"
 fi

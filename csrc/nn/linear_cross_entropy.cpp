@@ -168,7 +168,7 @@ at::Tensor linear_cross_entropy(const at::Tensor& input, const at::Tensor& linea
               linear_weight.sizes());
   const at::Tensor rows = x.reshape({-1, in_features});
   const int64_t chunk_rows = how.batch_chunk_size.value_or(ops::linear_cross_entropy_chunk_rows(
-      rows.size(0), in_features, linear_weight.size(0), x.scalar_type()));
+      rows.size(0), in_features, linear_weight.size(0), x.scalar_type(), x.device().type()));
   const std::string reduction_name = options.reduction;
   const bool needs_grad = at::GradMode::is_enabled() &&
                           (x.requires_grad() || w.requires_grad() ||

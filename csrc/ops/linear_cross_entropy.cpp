@@ -18,11 +18,21 @@
 // four for a backward that recomputes the logits, and holds dx and dW (fp32)
 // from the forward to the backward, which only rescales them by the loss's
 // gradient. That rescaling is exact only for a scalar loss, so "none" always
-// recomputes (linear_cross_entropy_backward). Chunk size: a chunk's logits
-// and gradient take about the memory of the input itself (Liger Kernel's
-// rule), and at least 64 MiB so that the GEMMs stay large and the fp32
-// accumulation of dW (C x H x 4 bytes read and written a chunk) stays a few
-// percent of the chunk's GEMM work; see linear_cross_entropy_chunk_rows.
+// recomputes (linear_cross_entropy_backward).
+// Chunk size (linear_cross_entropy_chunk_rows): a chunk's logits and
+// gradient take about the memory of the input itself (Liger Kernel's rule),
+// and at least 64 MiB. On CUDA a chunk also has at least 2048 rows, for the
+// GEMMs rather than the memory: each chunk reads and writes the whole fp32
+// dW (8 C H bytes) for 2 R C H flops of its dW GEMM, R / 4 flops a byte,
+// which must stay above the GPU's balance (H100 989 TFLOP/s over 3.35 TB/s:
+// about 300; H200 about 210; A100 about 160) or the accumulation, not the
+// tensor cores, sets the pace. At 16384 x 4096 -> 128256 the memory rule
+// alone gives R = 256: 64 chunks re-reading 2 GiB of fp32 dW each, about
+// 80 ms of traffic against 50 to 75 ms for all the GEMMs; and dx = g W has
+// only R x H outputs, 32 tiles of 128 x 256 for 132 SMs. R = 2048 makes it
+// 8 chunks, 512 flops a byte and 256 tiles, for a 501 MiB chunk beside the
+// 2 GiB accumulator. (The CPU sums dW through cache-sized blocks, where the
+// memory rule was measured best.)
 // The unweighted cross-entropy is fusetrain's fused op (one pass each way,
 // no fp32 copy of the logits); class weights take ATen's softmax in fp32 over
 // the chunk, torch's weighted formula:
@@ -450,14 +460,16 @@ void mm_accumulate_(at::Tensor& out, const at::Tensor& mat1, const at::Tensor& m
 }
 
 int64_t linear_cross_entropy_chunk_rows(int64_t rows, int64_t in_features, int64_t classes,
-                                        at::ScalarType dtype) {
+                                        at::ScalarType dtype, c10::DeviceType device) {
   constexpr int64_t kMinBytes = int64_t{64} << 20;
   constexpr int64_t kMultiple = 64;
+  constexpr int64_t kMinCudaRows = 2048;  // Note [Chunked linear cross-entropy]
   const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t budget = std::max(rows * in_features * element, kMinBytes);
   // The chunk's logits and their gradient: 2 x chunk x classes elements.
   int64_t chunk = budget / std::max<int64_t>(2 * classes * element, 1);
   chunk = std::max(kMultiple, chunk / kMultiple * kMultiple);
+  if (device == c10::DeviceType::CUDA) chunk = std::max(chunk, kMinCudaRows);
   return std::max<int64_t>(1, std::min(chunk, rows));
 }
 

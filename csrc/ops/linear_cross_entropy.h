@@ -59,9 +59,10 @@ void mm_accumulate_(at::Tensor& out, const at::Tensor& mat1, const at::Tensor& m
 
 /// Rows per chunk when the caller gives none (Note [Chunked linear
 /// cross-entropy]): a chunk's logits and their gradient take about the
-/// memory of the input itself, and at least 64 MiB; a multiple of 64 rows,
-/// at most `rows`.
+/// memory of the input itself, and at least 64 MiB; on CUDA at least 2048
+/// rows, so that the chunk's GEMMs outweigh its pass over the fp32 weight
+/// gradient; a multiple of 64 rows, at most `rows`.
 int64_t linear_cross_entropy_chunk_rows(int64_t rows, int64_t in_features, int64_t classes,
-                                        at::ScalarType dtype);
+                                        at::ScalarType dtype, c10::DeviceType device);
 
 }  // namespace fusetrain::ops

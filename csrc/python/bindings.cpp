@@ -152,11 +152,14 @@ PYBIND11_MODULE(_C, m) {
         py::arg("label_smoothing"), py::arg("batch_chunk_size"),
         py::arg("gradients_in_forward"));
   m.def("linear_cross_entropy_chunk_rows",
-        [](int64_t rows, int64_t in_features, int64_t classes, py::object dtype) {
+        [](int64_t rows, int64_t in_features, int64_t classes, py::object dtype,
+           const std::string& device_type) {
           return fusetrain::ops::linear_cross_entropy_chunk_rows(
-              rows, in_features, classes, torch::python::detail::py_object_to_dtype(dtype));
+              rows, in_features, classes, torch::python::detail::py_object_to_dtype(dtype),
+              c10::Device(device_type).type());
         },
-        py::arg("rows"), py::arg("in_features"), py::arg("classes"), py::arg("dtype"));
+        py::arg("rows"), py::arg("in_features"), py::arg("classes"), py::arg("dtype"),
+        py::arg("device_type"));
   m.def("cpu_bf16_speed", &fusetrain::amp::measure_cpu_bf16_speed,
         py::call_guard<py::gil_scoped_release>());
   m.def("cpu_features", [] {

@@ -300,7 +300,8 @@ TEST_CASE("linear_cross_entropy matches float64 at::linear + at::cross_entropy_l
   REQUIRE(ours.gw.scalar_type() == dtype);
   REQUIRE(ours.loss.sizes() == theirs.loss.sizes());
   const int64_t used_chunk =
-      chunk > 0 ? chunk : fusetrain::ops::linear_cross_entropy_chunk_rows(45, 24, 61, dtype);
+      chunk > 0 ? chunk : fusetrain::ops::linear_cross_entropy_chunk_rows(45, 24, 61, dtype,
+                                                                            ours.loss.device().type());
   const Reference r = reference_and_bounds(cs, o, dtype, dtype, used_chunk, up);
   check_near_reference(ours, theirs, r);
 
@@ -529,14 +530,22 @@ TEST_CASE("LinearCrossEntropyLoss: parameters, buffer, and the functional's valu
 
 TEST_CASE("linear_cross_entropy_chunk_rows: the default rule", "[linear_cross_entropy]") {
   using fusetrain::ops::linear_cross_entropy_chunk_rows;
+  constexpr auto cpu = c10::DeviceType::CPU;
+  constexpr auto cuda = c10::DeviceType::CUDA;
   // At least 64 MiB of logits and gradient, in multiples of 64 rows, at most the rows.
-  CHECK(linear_cross_entropy_chunk_rows(100, 8, 10, at::kFloat) == 100);
-  CHECK(linear_cross_entropy_chunk_rows(1 << 20, 8, 128256, at::kBFloat16) ==
+  CHECK(linear_cross_entropy_chunk_rows(100, 8, 10, at::kFloat, cpu) == 100);
+  CHECK(linear_cross_entropy_chunk_rows(1 << 20, 8, 128256, at::kBFloat16, cpu) ==
         ((int64_t{64} << 20) / (2 * 128256 * 2)) / 64 * 64);
-  CHECK(linear_cross_entropy_chunk_rows(8192, 4096, 128256, at::kBFloat16) ==
+  CHECK(linear_cross_entropy_chunk_rows(8192, 4096, 128256, at::kBFloat16, cpu) ==
         (int64_t{8192} * 4096 * 2 / (2 * 128256 * 2)) / 64 * 64);
-  CHECK(linear_cross_entropy_chunk_rows(300, 8, 1 << 24, at::kFloat) == 64);
-  CHECK(linear_cross_entropy_chunk_rows(5, 1, 1, at::kHalf) == 5);
+  CHECK(linear_cross_entropy_chunk_rows(300, 8, 1 << 24, at::kFloat, cpu) == 64);
+  CHECK(linear_cross_entropy_chunk_rows(5, 1, 1, at::kHalf, cpu) == 5);
+  // On CUDA at least 2048 rows (the GEMMs' share), still at most the rows.
+  CHECK(linear_cross_entropy_chunk_rows(16384, 4096, 128256, at::kBFloat16, cpu) == 256);
+  CHECK(linear_cross_entropy_chunk_rows(16384, 4096, 128256, at::kBFloat16, cuda) == 2048);
+  CHECK(linear_cross_entropy_chunk_rows(300, 8, 1 << 24, at::kFloat, cuda) == 300);
+  CHECK(linear_cross_entropy_chunk_rows(1 << 20, 8, 10, at::kFloat, cuda) ==
+        linear_cross_entropy_chunk_rows(1 << 20, 8, 10, at::kFloat, cpu));
 }
 
 // ------------------------------------------------------------------ CUDA

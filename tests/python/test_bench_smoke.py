@@ -64,3 +64,28 @@ def test_fp8_benchmark_parts_can_be_skipped():
     assert "fp8 linear fwd+bwd" in p.stdout
     for absent in ("fp8 sweep", "fp8 GPT block", "fp8 gpt train"):
         assert absent not in p.stdout, absent
+
+
+def test_linear_cross_entropy_cuda_rows_run_on_the_cpu(monkeypatch):
+    """bench_linear_cross_entropy's CUDA-only rows (the GEMM floor and the
+    chunk sweep) at a tiny size on the CPU, CUDA's peak-memory counter
+    replaced by a stand-in: the code the GPU box runs once a GPU is lent."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import bench_linear_cross_entropy as B
+    import common
+
+    monkeypatch.setattr(B, "peak_cuda", lambda ctx, setup, fn: (setup(), fn(), 100.0)[2])
+    ctx = common.Context(device=torch.device("cpu"), quick=True, threads=1, warmup=1, repeats=2)
+    n, h, c = 600, 16, 300
+    x, w, t = B.make_inputs(ctx.device, n, h, c, torch.bfloat16)
+    rows = B.cuda_floor_and_sweep(ctx, x, w, t, "smoke", {"ours": 0.01, "torch": 0.02},
+                                  {"ours": 50.0, "torch": 400.0}, 512, {"n": n})
+    floor, sweep = rows
+    assert floor["benchmark"] == "linear+CE vs its GEMM floor, smoke"
+    assert set(floor["gemm_ms"]) == {"z = x W^T", "dx = g W", "dW = g^T x"}
+    # bf16: the gradients (N H + C H) x 2 bytes and the fp32 accumulator C H x 4.
+    assert floor["memory_floor_mib"] == ((n * h + c * h) * 2 + c * h * 4) / (1 << 20)
+    assert set(sweep["sweep_ms"]) == {"256 rows", "512 rows"}  # the sizes below N
+    assert x.grad is None and w.grad is None

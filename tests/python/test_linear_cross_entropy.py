@@ -251,7 +251,8 @@ def check_against_reference(x, w, b, t, *, dtype, loss_dtype=None, chunk=None, g
         got = run(ours, x, w, b, t, options=opts(batch_chunk_size=chunk), **kw)
     if theirs is None:
         theirs = run(torch_lce, x, w, b, t, **kw)
-    used_chunk = chunk if chunk is not None else FF._lce_chunk_rows(rows, x.shape[-1], w.shape[0], dtype)
+    used_chunk = chunk if chunk is not None else FF._lce_chunk_rows(rows, x.shape[-1], w.shape[0], dtype,
+                                                                    got[0].device.type)
     cpu = lambda v: None if v is None else v.cpu()  # noqa: E731
     (ref_loss, ref_grads), bounds = lce_bounds(
         cpu(x), cpu(w), cpu(b), cpu(t), weight=cpu(kw.get("weight")), reduction=kw.get("reduction", "mean"),
@@ -539,7 +540,7 @@ def test_compiled_graph_calls_the_ops_as_eager_does(gradients_in_forward):
     backward = [node for node in nodes if node.target is BWD]
     assert len(forward) == 1
     chunk_rows, with_grad = forward[0].args[8:10]
-    assert chunk_rows == _C.linear_cross_entropy_chunk_rows(n, h, c, torch.float32) == 64
+    assert chunk_rows == _C.linear_cross_entropy_chunk_rows(n, h, c, torch.float32, "cpu") == 64
     assert with_grad == gradients_in_forward
     assert len(backward) == (0 if gradients_in_forward else 1)
     if backward:
@@ -866,19 +867,28 @@ def test_module_device_dtype_and_repr():
 # ------------------------------------------------------------ chunk rule, memory
 
 
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_chunk_rule_matches_the_cpp_rule(dtype):
+def test_chunk_rule_matches_the_cpp_rule(dtype, device_type):
     sizes = [(1, 8, 10), (63, 8, 10), (64, 8, 10), (1000, 64, 1000), (8192, 4096, 128256), (4096, 768, 50257),
-             (100000, 16, 3), (70000, 1024, 262144), (5, 1, 1)]
+             (100000, 16, 3), (70000, 1024, 262144), (5, 1, 1), (16384, 4096, 128256), (3000, 64, 1000)]
     for rows, h, c in sizes:
-        py = FF._lce_chunk_rows(rows, h, c, dtype)
-        cpp = _C.linear_cross_entropy_chunk_rows(rows, h, c, dtype)
-        assert py == cpp, (rows, h, c, dtype, py, cpp)
+        py = FF._lce_chunk_rows(rows, h, c, dtype, device_type)
+        cpp = _C.linear_cross_entropy_chunk_rows(rows, h, c, dtype, device_type)
+        assert py == cpp, (rows, h, c, dtype, device_type, py, cpp)
         assert 1 <= py <= rows and (py == rows or py % 64 == 0)
         element = torch.empty((), dtype=dtype).element_size()
-        # A chunk's logits and gradient: about the input's memory, at least 64 MiB.
-        if py > 64:
-            assert 2 * py * c * element <= max(rows * h * element, 64 << 20)
+        # A chunk's logits and gradient: about the input's memory, at least 64 MiB ...
+        memory_rule = max(64, max(rows * h * element, 64 << 20) // (2 * c * element) // 64 * 64)
+        if device_type == "cpu":
+            assert py == min(memory_rule, rows)
+        else:
+            # ... and on CUDA at least 2048 rows (the dW GEMM's flops per byte of
+            # its fp32 accumulator: Note [Chunked linear cross-entropy]).
+            assert py == min(max(memory_rule, 2048), rows)
+    # The GPU goal's shape: 256 rows by memory alone, 2048 on CUDA.
+    assert FF._lce_chunk_rows(16384, 4096, 128256, torch.bfloat16, "cpu") == 256
+    assert FF._lce_chunk_rows(16384, 4096, 128256, torch.bfloat16, "cuda") == 2048
 
 
 def peak_and_largest(fn):
@@ -1011,7 +1021,7 @@ def test_cuda_matches_float64_and_the_cpu(case, gradients_in_forward):
     check_against_reference(x, w, b, t, dtype=dtype, chunk=chunk, got=got, theirs=theirs, **kw)
     (_, _), bounds = lce_bounds(x, w, b, t, weight=weight, reduction=reduction, ignore_index=ignore_index,
                                 label_smoothing=ls, dtype=dtype, loss_dtype=dtype,
-                                chunk=chunk or FF._lce_chunk_rows(200, 64, 999, dtype))
+                                chunk=chunk or FF._lce_chunk_rows(200, 64, 999, dtype, "cuda"))
     for name, a, c, bd in zip(("loss", "grad_input", "grad_weight", "grad_bias"), [got[0], *got[1]],
                               [cpu[0], *cpu[1]], bounds):
         if c is None:

@@ -262,9 +262,10 @@ class LinearCrossEntropyOptions:
 
     ``batch_chunk_size``: rows per chunk; None chooses it so that a chunk's
     logits and their gradient take about the memory of the input itself, and
-    at least 64 MiB (larger GEMMs; the fp32 accumulation of the weight
-    gradient, read and written once a chunk, stays a few percent of the
-    chunk's GEMM work), in multiples of 64 rows.
+    at least 64 MiB, in multiples of 64 rows; on CUDA at least 2048 rows, so
+    that a chunk's GEMMs outweigh its pass over the fp32 weight gradient
+    (read and written once a chunk: below ~1200 rows that traffic, not the
+    tensor cores, sets an H100's pace).
     ``chunking_method``: ``"auto"`` takes the chunked path wherever it
     applies (class-index targets, a [classes] bias); ``"none"`` is the
     reference, ``F.cross_entropy(F.linear(...))``, holding every logit.
@@ -292,13 +293,15 @@ _LCE_FORWARD = torch.ops.fusetrain.linear_cross_entropy_forward.default
 _LCE_BACKWARD = torch.ops.fusetrain.linear_cross_entropy_backward.default
 
 
-def _lce_chunk_rows(rows: int, in_features: int, classes: int, dtype: torch.dtype) -> int:
+def _lce_chunk_rows(rows: int, in_features: int, classes: int, dtype: torch.dtype, device_type: str) -> int:
     """fusetrain::ops::linear_cross_entropy_chunk_rows in Python (dynamo
     traces it; a test checks that both agree)."""
     element = torch.empty((), dtype=dtype).element_size()
     budget = max(rows * in_features * element, 64 << 20)
     chunk = budget // max(2 * classes * element, 1)
     chunk = max(64, chunk // 64 * 64)
+    if device_type == "cuda":  # the GEMMs' share of a chunk (Note [Chunked linear cross-entropy])
+        chunk = max(chunk, 2048)
     return max(1, min(chunk, rows))
 
 
@@ -449,7 +452,7 @@ def linear_cross_entropy(
         )
     rows = x.reshape(-1, x.shape[-1])
     if chunk is None:
-        chunk = _lce_chunk_rows(rows.shape[0], rows.shape[1], linear_weight.shape[0], x.dtype)
+        chunk = _lce_chunk_rows(rows.shape[0], rows.shape[1], linear_weight.shape[0], x.dtype, device_type)
     with_grad = (options.gradients_in_forward and reduction != "none" and torch.is_grad_enabled()
                  and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)))
     loss = _LinearCrossEntropy.apply(rows, w, b, target.reshape(-1).long(), weight, ignore_index,
