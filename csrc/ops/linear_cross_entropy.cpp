@@ -39,17 +39,36 @@
 //   loss_i = (1 - ls) w_t (lse_i - z_it) + ls / C sum_j w_j (lse_i - z_ij)
 //   dloss_i/dz_ij = p_ij ((1 - ls) w_t + ls / C sum_k w_k) - (1 - ls) w_t [j = t] - ls / C w_j
 // and "mean" divides by the sum of the kept rows' target weights.
+//
+// Note [Split float32 sum]
+// dW is summed in float32 and rounded to the linear's dtype once. Held as a
+// float32 [C, H] and then rounded into a bf16 one, it would cost 6 bytes a
+// weight at the end, the largest figure of the loss's peak on the CPU. For a
+// bf16 linear on the CPU the float32 sum is kept instead as its two 16-bit
+// halves: `high`, a bf16 [C, H] holding each float32's upper 16 bits (sign,
+// exponent, 7 mantissa bits: the float truncated to bf16), and `low`, an
+// int16 [C, H] holding the lower 16. Each chunk's product is added to the
+// float32 put back together from its halves, bit for bit float32
+// accumulation; the end rounds each (high, low) to the nearest bf16 (ties to
+// even, as .to(bfloat16) does) into `high`, which becomes the gradient, and
+// frees `low`. 4 bytes a weight throughout, the same bits. (CUDA keeps one
+// float32 accumulator: cuBLAS adds into it in the GEMM's epilogue, which a
+// split sum would replace with a float32 product and a pass of its own.)
 #include <fusetrain/ops/checks.h>
 #include <fusetrain/ops/cross_entropy.h>
 #include <fusetrain/ops/linear_cross_entropy.h>
 
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/bit_cast.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <string>
+#include <utility>
 
 namespace fusetrain::ops {
 
@@ -141,10 +160,34 @@ struct Pass {
 };
 
 struct Grads {
-  at::Tensor input;   // [N, H] in the linear's dtype, or undefined
-  at::Tensor weight;  // [C, H] float32 accumulator, or undefined
-  at::Tensor bias;    // [C] float32 accumulator, or undefined
+  at::Tensor input;       // [N, H] in the linear's dtype, or undefined
+  at::Tensor weight;      // [C, H] float32 accumulator, or undefined; for a bf16
+                          // linear on the CPU the high halves of its values
+  at::Tensor weight_low;  // ... and then their low halves (Note [Split float32 sum])
+  at::Tensor bias;        // [C] float32 accumulator, or undefined
 };
+
+// Rows of a [rows, cols] output per CPU GEMM block: its product and a float32
+// copy of it (about 4 MiB) stay in cache, where whole-output temporaries in
+// each dtype cost 18% of the loss's time and 220 MiB (50257 x 768, bf16).
+int64_t cpu_block_rows(int64_t cols) {
+  constexpr int64_t kBlockBytes = int64_t{4} << 20;
+  return std::max<int64_t>(
+      256, kBlockBytes / std::max<int64_t>(cols * static_cast<int64_t>(sizeof(float)), 1));
+}
+
+// (high, low) += mat1 @ mat2 (Note [Split float32 sum]): bf16 GEMMs over
+// blocks of rows, each block's product added to the float32 sums.
+void split_sum_add_mm_(at::Tensor& high, at::Tensor& low, const at::Tensor& mat1,
+                       const at::Tensor& mat2) {
+  const int64_t block = cpu_block_rows(high.size(1));
+  for (int64_t r0 = 0; r0 < high.size(0); r0 += block) {
+    const int64_t r = std::min(block, high.size(0) - r0);
+    at::Tensor high_rows = high.narrow(0, r0, r);
+    at::Tensor low_rows = low.narrow(0, r0, r);
+    split_sum_add_(high_rows, low_rows, at::mm(mat1.narrow(0, r0, r), mat2));
+  }
+}
 
 // Weighted softmax cross-entropy of one chunk in fp32 (torch's formula, Note
 // [Chunked linear cross-entropy]): the row losses (when row_loss is given)
@@ -229,7 +272,11 @@ void run_chunks(const Pass& p, const at::Tensor& row_loss, const at::Tensor& lse
       at::Tensor dx = grads.input.narrow(0, r0, r);
       at::mm_out(dx, g, p.linear_weight);
     }
-    if (grads.weight.defined()) mm_accumulate_(grads.weight, g.t(), x);
+    if (grads.weight_low.defined()) {
+      split_sum_add_mm_(grads.weight, grads.weight_low, g.t(), x);
+    } else if (grads.weight.defined()) {
+      mm_accumulate_(grads.weight, g.t(), x);
+    }
     if (grads.bias.defined()) grads.bias.add_(g.sum(0, /*keepdim=*/false, at::kFloat));
   }
 }
@@ -275,17 +322,28 @@ Grads grads_for(const Pass& p, std::array<bool, 3> mask) {
   const auto f32 = p.input.options().dtype(at::kFloat);
   Grads g;
   if (mask[0]) g.input = at::empty_like(p.input, at::MemoryFormat::Contiguous);
-  if (mask[1]) g.weight = at::zeros(p.linear_weight.sizes(), f32);
+  if (mask[1] && p.input.is_cpu() && p.input.scalar_type() == at::kBFloat16) {
+    // Zero bits in both halves: float32 zeros (Note [Split float32 sum]).
+    g.weight = at::zeros(p.linear_weight.sizes(), p.input.options());
+    g.weight_low = at::zeros(p.linear_weight.sizes(), p.input.options().dtype(at::kShort));
+  } else if (mask[1]) {
+    g.weight = at::zeros(p.linear_weight.sizes(), f32);
+  }
   if (mask[2] && given(p.linear_bias)) g.bias = at::zeros({p.linear_weight.size(0)}, f32);
   return g;
 }
 
 // The accumulated gradients in the linear's dtype (the float32 accumulators
-// are returned as they are for a float32 linear), empty where not computed.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> finish(const Grads& g, at::ScalarType dtype,
+// are returned as they are for a float32 linear, a split sum's rounded high
+// halves as they are), empty where not computed. Frees the accumulators.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> finish(Grads g, at::ScalarType dtype,
                                                       const at::TensorOptions& options) {
-  const auto out = [&](const at::Tensor& t) {
-    return t.defined() ? t.to(dtype) : at::empty({0}, options.dtype(dtype));
+  if (g.weight_low.defined()) {
+    split_sum_round_(g.weight, g.weight_low);
+    g.weight_low.reset();
+  }
+  const auto out = [&](at::Tensor& t) {
+    return t.defined() ? std::exchange(t, {}).to(dtype) : at::empty({0}, options.dtype(dtype));
   };
   return {out(g.input), out(g.weight), out(g.bias)};
 }
@@ -324,7 +382,7 @@ forward_generic(const at::Tensor& input_in, const at::Tensor& linear_weight_in,
     const at::Tensor total = row_loss.sum(0, /*keepdim=*/false, at::kDouble);
     loss = (red == Reduction::kMean ? total.div(denominator) : total).to(at::kFloat);
   }
-  auto [gi, gw, gb] = finish(grads, p.input.scalar_type(), p.input.options());
+  auto [gi, gw, gb] = finish(std::move(grads), p.input.scalar_type(), p.input.options());
   return {loss, lse, denominator, gi, gw, gb};
 }
 
@@ -362,7 +420,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_generic(
   if (output_mask[0] || output_mask[1] || (output_mask[2] && given(p.linear_bias))) {
     run_chunks(p, at::Tensor(), at::Tensor(), lse.contiguous(), scale, grads);
   }
-  return finish(grads, p.input.scalar_type(), p.input.options());
+  return finish(std::move(grads), p.input.scalar_type(), p.input.options());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_meta(
@@ -444,19 +502,62 @@ void mm_accumulate_(at::Tensor& out, const at::Tensor& mat1, const at::Tensor& m
     // cuBLAS with a float32 C and beta = 1: no [rows, cols] temporary.
     at::addmm_out(out, out, mat1, mat2, out.scalar_type());
   } else {
-    // No 16-bit GEMM with a float32 C on the CPU: the product goes through a
-    // 16-bit block of output rows small enough to stay in cache (with the
-    // float32 copy the mixed-dtype add makes of it), not a [rows, cols]
-    // temporary in each dtype (measured at 50257 x 768 bf16: 18% of the
-    // loss's time in those copies, and 220 MiB).
-    constexpr int64_t kBlockBytes = int64_t{4} << 20;  // the float32 copy
-    const int64_t block = std::max<int64_t>(
-        256, kBlockBytes / std::max<int64_t>(out.size(1) * static_cast<int64_t>(sizeof(float)), 1));
+    // No 16-bit GEMM with a float32 C on the CPU: the product goes through
+    // 16-bit blocks of output rows (with the float32 copy the mixed-dtype add
+    // makes of each), not a [rows, cols] temporary in each dtype.
+    const int64_t block = cpu_block_rows(out.size(1));
     for (int64_t r0 = 0; r0 < out.size(0); r0 += block) {
       const int64_t r = std::min(block, out.size(0) - r0);
       out.narrow(0, r0, r).add_(at::mm(mat1.narrow(0, r0, r), mat2));
     }
   }
+}
+
+namespace {
+
+float join_halves(uint16_t high, uint16_t low) {
+  return c10::bit_cast<float>(static_cast<uint32_t>(high) << 16 | low);
+}
+
+void check_split_sum(const char* op, const at::Tensor& high, const at::Tensor& low) {
+  TORCH_CHECK(high.is_cpu() && high.scalar_type() == at::kBFloat16 && high.is_contiguous(), op,
+              ": high must be a contiguous bfloat16 CPU tensor");
+  TORCH_CHECK(low.is_cpu() && low.scalar_type() == at::kShort && low.is_contiguous() &&
+                  low.sizes() == high.sizes(),
+              op, ": low must be a contiguous int16 CPU tensor of high's shape ", high.sizes(),
+              ", got ", low.scalar_type(), " ", low.sizes());
+}
+
+constexpr int64_t kSplitSumGrain = 16384;
+
+}  // namespace
+
+void split_sum_add_(at::Tensor& high, at::Tensor& low, const at::Tensor& addend) {
+  check_split_sum("split_sum_add_", high, low);
+  TORCH_CHECK(addend.scalar_type() == at::kBFloat16 && addend.sizes() == high.sizes(),
+              "split_sum_add_: addend must be bfloat16 of shape ", high.sizes(), ", got ",
+              addend.scalar_type(), " ", addend.sizes());
+  const at::Tensor a = addend.contiguous();
+  auto* h = reinterpret_cast<uint16_t*>(high.mutable_data_ptr<at::BFloat16>());
+  auto* l = reinterpret_cast<uint16_t*>(low.mutable_data_ptr<int16_t>());
+  const at::BFloat16* p = a.const_data_ptr<at::BFloat16>();
+  at::parallel_for(0, high.numel(), kSplitSumGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint32_t bits =
+          c10::bit_cast<uint32_t>(join_halves(h[i], l[i]) + static_cast<float>(p[i]));
+      h[i] = static_cast<uint16_t>(bits >> 16);
+      l[i] = static_cast<uint16_t>(bits);
+    }
+  });
+}
+
+void split_sum_round_(at::Tensor& high, const at::Tensor& low) {
+  check_split_sum("split_sum_round_", high, low);
+  auto* h = high.mutable_data_ptr<at::BFloat16>();
+  const auto* l = reinterpret_cast<const uint16_t*>(low.const_data_ptr<int16_t>());
+  at::parallel_for(0, high.numel(), kSplitSumGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) h[i] = at::BFloat16(join_halves(h[i].x, l[i]));
+  });
 }
 
 int64_t linear_cross_entropy_chunk_rows(int64_t rows, int64_t in_features, int64_t classes,

@@ -57,6 +57,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
 /// into `out`.
 void mm_accumulate_(at::Tensor& out, const at::Tensor& mat1, const at::Tensor& mat2);
 
+/// A float32 sum kept as its two 16-bit halves (Note [Split float32 sum] in
+/// linear_cross_entropy.cpp): `high`, a contiguous bfloat16 CPU tensor, holds
+/// the upper 16 bits of each float32 and `low`, int16 of the same shape, the
+/// lower 16; zeros in both are 0.0f. split_sum_add_ adds a bfloat16 tensor of
+/// their shape to the sums (float32 additions); split_sum_round_ rounds each
+/// sum to the nearest bfloat16, ties to even, into `high`.
+void split_sum_add_(at::Tensor& high, at::Tensor& low, const at::Tensor& addend);
+void split_sum_round_(at::Tensor& high, const at::Tensor& low);
+
 /// Rows per chunk when the caller gives none (Note [Chunked linear
 /// cross-entropy]): a chunk's logits and their gradient take about the
 /// memory of the input itself, and at least 64 MiB; on CUDA at least 2048

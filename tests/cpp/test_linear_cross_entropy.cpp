@@ -548,6 +548,53 @@ TEST_CASE("linear_cross_entropy_chunk_rows: the default rule", "[linear_cross_en
         linear_cross_entropy_chunk_rows(1 << 20, 8, 10, at::kFloat, cpu));
 }
 
+TEST_CASE("split float32 sum: float32 additions, one rounding to nearest even",
+          "[linear_cross_entropy]") {
+  using fusetrain::ops::split_sum_add_;
+  using fusetrain::ops::split_sum_round_;
+  // The sums as float32, from the two halves' bits.
+  const auto joined = [](const at::Tensor& high, const at::Tensor& low) {
+    const at::Tensor bits = high.view(at::kShort).to(at::kInt).bitwise_left_shift(16).bitwise_or(
+        low.to(at::kInt).bitwise_and(0xffff));
+    return bits.view(at::kFloat);
+  };
+  // 70000 sums (several threads' ranges); addends over 2^-30 .. 2^30 with
+  // both signs, so that sums cancel and small addends fall below bf16's step.
+  at::manual_seed(11);
+  const std::vector<int64_t> shape{350, 200};
+  at::Tensor high = at::zeros(shape, at::kBFloat16);
+  at::Tensor low = at::zeros(shape, at::kShort);
+  at::Tensor reference = at::zeros(shape, at::kFloat);
+  for (int k = 0; k < 40; ++k) {
+    const at::Tensor scale = at::randint(-30, 31, shape).to(at::kFloat).exp2();
+    const at::Tensor addend = at::randn(shape).mul(scale).to(at::kBFloat16);
+    split_sum_add_(high, low, addend);
+    reference.add_(addend.to(at::kFloat));  // float32 additions, in order
+    REQUIRE(at::equal(joined(high, low).view(at::kInt), reference.view(at::kInt)));
+  }
+  split_sum_round_(high, low);
+  CHECK(at::equal(high.view(at::kShort), reference.to(at::kBFloat16).view(at::kShort)));
+
+  // Ties go to the even neighbour: 1 + 2^-8 and 1 + 3 * 2^-8 sit halfway
+  // between bf16 neighbours (step 2^-7 at 1).
+  at::Tensor h2 = at::zeros({3}, at::kBFloat16);
+  at::Tensor l2 = at::zeros({3}, at::kShort);
+  split_sum_add_(h2, l2, at::tensor({1.0, 1.0 + 1.0 / 128, -3.0}).to(at::kBFloat16));
+  split_sum_add_(h2, l2, at::tensor({1.0 / 256, 1.0 / 256, 1.0 / 4096}).to(at::kBFloat16));
+  split_sum_round_(h2, l2);
+  const at::Tensor expected = at::tensor({1.0, 1.0 + 2.0 / 128, -3.0 + 1.0 / 4096}).to(at::kFloat);
+  CHECK(at::equal(h2.to(at::kFloat), expected.to(at::kBFloat16).to(at::kFloat)));
+  CHECK(h2[0].item<float>() == 1.0f);
+  CHECK(h2[1].item<float>() == 1.0f + 2.0f / 128);
+  CHECK(h2[2].item<float>() == -3.0f);  // 2^-12 is below half of bf16's step at 3
+
+  CHECK_THROWS_WITH(split_sum_add_(high, low, at::zeros({2}, at::kBFloat16)),
+                    Catch::Contains("addend must be bfloat16 of shape"));
+  at::Tensor wrong_low = at::zeros({2}, at::kShort);
+  CHECK_THROWS_WITH(split_sum_round_(high, wrong_low),
+                    Catch::Contains("low must be a contiguous int16"));
+}
+
 // ------------------------------------------------------------------ CUDA
 
 TEST_CASE("CUDA linear_cross_entropy matches the CPU and float64", "[cuda][linear_cross_entropy]") {

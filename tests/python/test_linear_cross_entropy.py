@@ -932,6 +932,28 @@ def test_chunked_path_never_holds_the_logits(gradients_in_forward):
     assert ref_largest >= logits_bytes and ref_peak >= logits_bytes
 
 
+@pytest.mark.parametrize("gradients_in_forward", [True, False])
+def test_bf16_weight_gradient_sum_takes_four_bytes_a_weight(gradients_in_forward):
+    """A bf16 linear's weight gradient is summed in float32 on the CPU as two
+    16-bit halves, the high one becoming the gradient (Note [Split float32
+    sum]): at 8192 x 1024 weights (bf16 dW 16 MiB) the peak stays under dW's
+    two halves plus a GEMM block and chunk buffers, where a float32
+    accumulator beside its bf16 rounding would be 48 MiB."""
+    n, h, c = 128, 1024, 8192
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, h, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(c, h, generator=g) / 32).bfloat16().requires_grad_()
+    t = torch.randint(0, c, (n,), generator=g)
+    o = opts(batch_chunk_size=64, gradients_in_forward=gradients_in_forward)
+    peak, _ = peak_and_largest(lambda: FF.linear_cross_entropy(x, w, t, options=o).backward())
+    dw_bytes = c * h * 2
+    block_bytes = 1024 * h * 2  # a GEMM block of dW's rows (4 MiB of float32 / h)
+    chunk_bytes = 64 * c * 2
+    budget = 2 * dw_bytes + 2 * block_bytes + 4 * chunk_bytes + n * h * 2
+    assert budget < 3 * dw_bytes  # the float32 accumulator and its bf16 rounding
+    assert peak <= budget, (peak, budget)
+
+
 # ------------------------------------------------------------- the bound's power
 
 
