@@ -891,6 +891,33 @@ def test_chunk_rule_matches_the_cpp_rule(dtype, device_type):
     assert FF._lce_chunk_rows(16384, 4096, 128256, torch.bfloat16, "cuda") == 2048
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_default_chunk_follows_the_inputs_device(device):
+    """The C++ face picks the rule of the inputs' device: under a
+    FakeTensorMode (no GPU needed, nothing allocated) 16384 x 64 -> 128256
+    bf16 rows go to the op in 128-row chunks on the CPU, 2048 on CUDA."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    chunks = []
+
+    class RecordChunkRows(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is FWD:
+                chunks.append(args[8])
+            return func(*args, **(kwargs or {}))
+
+    n, h, c = 16384, 64, 128256
+    with FakeTensorMode():
+        x = torch.empty(n, h, device=device, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.empty(c, h, device=device, dtype=torch.bfloat16, requires_grad=True)
+        t = torch.zeros(n, dtype=torch.long, device=device)
+        with RecordChunkRows():
+            FF.linear_cross_entropy(x, w, t)
+    expected = {"cpu": 128, "cuda": 2048}[device]
+    assert chunks == [expected] == [FF._lce_chunk_rows(n, h, c, torch.bfloat16, device)]
+
+
 def peak_and_largest(fn):
     """Peak of the bytes live (allocations minus frees) while fn runs, and the
     largest single CPU allocation, from the profiler's memory events."""
