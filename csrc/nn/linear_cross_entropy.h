@@ -23,9 +23,9 @@ namespace fusetrain::nn {
 /// of ours).
 struct LinearCrossEntropyOptions {
   /// Rows per chunk; unset: chosen so that a chunk's logits and their
-  /// gradient take about the memory of the input, and at least 64 MiB (on
-  /// CUDA at least 2048 rows, for the GEMMs' sake;
-  /// fusetrain::ops::linear_cross_entropy_chunk_rows).
+  /// gradient take about the memory of the input, and at least 64 MiB, with
+  /// at least 512 rows (2048 on CUDA) for the GEMMs' sake
+  /// (fusetrain::ops::linear_cross_entropy_chunk_rows).
   std::optional<int64_t> batch_chunk_size;
   /// "auto": the chunked path wherever it applies (the default, unlike
   /// torch 2.13's options=None); "none": the reference, F.linear then

@@ -21,18 +21,23 @@
 // recomputes (linear_cross_entropy_backward).
 // Chunk size (linear_cross_entropy_chunk_rows): a chunk's logits and
 // gradient take about the memory of the input itself (Liger Kernel's rule),
-// and at least 64 MiB. On CUDA a chunk also has at least 2048 rows, for the
-// GEMMs rather than the memory: each chunk reads and writes the whole fp32
-// dW (8 C H bytes) for 2 R C H flops of its dW GEMM, R / 4 flops a byte,
-// which must stay above the GPU's balance (H100 989 TFLOP/s over 3.35 TB/s:
-// about 300; H200 about 210; A100 about 160) or the accumulation, not the
-// tensor cores, sets the pace. At 16384 x 4096 -> 128256 the memory rule
-// alone gives R = 256: 64 chunks re-reading 2 GiB of fp32 dW each, about
-// 80 ms of traffic against 50 to 75 ms for all the GEMMs; and dx = g W has
-// only R x H outputs, 32 tiles of 128 x 256 for 132 SMs. R = 2048 makes it
-// 8 chunks, 512 flops a byte and 256 tiles, for a 501 MiB chunk beside the
-// 2 GiB accumulator. (The CPU sums dW through cache-sized blocks, where the
-// memory rule was measured best.)
+// and at least 64 MiB; and a chunk has at least 512 rows on the CPU, 2048 on
+// CUDA, for the GEMMs rather than the memory. Each chunk of R rows reads and
+// writes the whole fp32 dW (8 C H bytes) for 2 R C H flops of its dW GEMM,
+// R / 4 flops a byte, which must stay well above the machine's balance or
+// the accumulation, not the multiply-adds, sets the pace:
+// - CPU: 2 Zen 4 cores, ~20 GB/s, about 30 flops a byte. fp32 at
+//   8192 x 768 -> 50257 gets 128 rows from the memory rule (32 flops a
+//   byte): 11.9 s a fwd+bwd against 10.6 s at 512 rows (128 flops a byte),
+//   for 74 MiB more; 32768 fp32 6.6 s at 256 rows, 6.2 s at 512; bf16 (320
+//   rows by memory at 50257) within 2%.
+// - CUDA: H100 989 TFLOP/s over 3.35 TB/s, about 300 (H200 about 210, A100
+//   about 160). At 16384 x 4096 -> 128256 the memory rule alone gives
+//   R = 256: 64 chunks re-reading 2 GiB of fp32 dW each, about 80 ms of
+//   traffic against 50 to 75 ms for all the GEMMs; and dx = g W has only
+//   R x H outputs, 32 tiles of 128 x 256 for 132 SMs. R = 2048 makes it 8
+//   chunks, 512 flops a byte and 256 tiles, for a 501 MiB chunk beside the
+//   2 GiB accumulator.
 // The unweighted cross-entropy is fusetrain's fused op (one pass each way,
 // no fp32 copy of the logits); class weights take ATen's softmax in fp32 over
 // the chunk, torch's weighted formula:
@@ -564,13 +569,14 @@ int64_t linear_cross_entropy_chunk_rows(int64_t rows, int64_t in_features, int64
                                         at::ScalarType dtype, c10::DeviceType device) {
   constexpr int64_t kMinBytes = int64_t{64} << 20;
   constexpr int64_t kMultiple = 64;
-  constexpr int64_t kMinCudaRows = 2048;  // Note [Chunked linear cross-entropy]
+  // The fp32 dW sum's flops a byte, R / 4 (Note [Chunked linear cross-entropy]).
+  const int64_t min_rows = device == c10::DeviceType::CUDA ? 2048 : 512;
   const int64_t element = static_cast<int64_t>(c10::elementSize(dtype));
   const int64_t budget = std::max(rows * in_features * element, kMinBytes);
   // The chunk's logits and their gradient: 2 x chunk x classes elements.
   int64_t chunk = budget / std::max<int64_t>(2 * classes * element, 1);
   chunk = std::max(kMultiple, chunk / kMultiple * kMultiple);
-  if (device == c10::DeviceType::CUDA) chunk = std::max(chunk, kMinCudaRows);
+  chunk = std::max(chunk, min_rows);
   return std::max<int64_t>(1, std::min(chunk, rows));
 }
 

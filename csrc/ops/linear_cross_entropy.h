@@ -68,9 +68,9 @@ void split_sum_round_(at::Tensor& high, const at::Tensor& low);
 
 /// Rows per chunk when the caller gives none (Note [Chunked linear
 /// cross-entropy]): a chunk's logits and their gradient take about the
-/// memory of the input itself, and at least 64 MiB; on CUDA at least 2048
-/// rows, so that the chunk's GEMMs outweigh its pass over the fp32 weight
-/// gradient; a multiple of 64 rows, at most `rows`.
+/// memory of the input itself, and at least 64 MiB; and at least 512 rows
+/// (on CUDA 2048), so that the chunk's GEMMs outweigh its pass over the fp32
+/// weight gradient; a multiple of 64 rows, at most `rows`.
 int64_t linear_cross_entropy_chunk_rows(int64_t rows, int64_t in_features, int64_t classes,
                                         at::ScalarType dtype, c10::DeviceType device);
 

@@ -532,18 +532,22 @@ TEST_CASE("linear_cross_entropy_chunk_rows: the default rule", "[linear_cross_en
   using fusetrain::ops::linear_cross_entropy_chunk_rows;
   constexpr auto cpu = c10::DeviceType::CPU;
   constexpr auto cuda = c10::DeviceType::CUDA;
-  // At least 64 MiB of logits and gradient, in multiples of 64 rows, at most the rows.
+  // Logits and gradient of about the input's memory, at least 64 MiB, in
+  // multiples of 64 rows, at most the rows ...
   CHECK(linear_cross_entropy_chunk_rows(100, 8, 10, at::kFloat, cpu) == 100);
-  CHECK(linear_cross_entropy_chunk_rows(1 << 20, 8, 128256, at::kBFloat16, cpu) ==
-        ((int64_t{64} << 20) / (2 * 128256 * 2)) / 64 * 64);
-  CHECK(linear_cross_entropy_chunk_rows(8192, 4096, 128256, at::kBFloat16, cpu) ==
-        (int64_t{8192} * 4096 * 2 / (2 * 128256 * 2)) / 64 * 64);
-  CHECK(linear_cross_entropy_chunk_rows(300, 8, 1 << 24, at::kFloat, cpu) == 64);
+  CHECK(linear_cross_entropy_chunk_rows(1 << 20, 8, 1000, at::kBFloat16, cpu) ==
+        ((int64_t{64} << 20) / (2 * 1000 * 2)) / 64 * 64);
+  CHECK(linear_cross_entropy_chunk_rows(1 << 20, 256, 100000, at::kFloat, cpu) ==
+        (int64_t{1 << 20} * 256 * 4 / (2 * 100000 * 4)) / 64 * 64);  // 1280
   CHECK(linear_cross_entropy_chunk_rows(5, 1, 1, at::kHalf, cpu) == 5);
-  // On CUDA at least 2048 rows (the GEMMs' share), still at most the rows.
-  CHECK(linear_cross_entropy_chunk_rows(16384, 4096, 128256, at::kBFloat16, cpu) == 256);
+  // ... and at least 512 rows on the CPU, 2048 on CUDA (the GEMMs' share).
+  CHECK(linear_cross_entropy_chunk_rows(8192, 768, 50257, at::kFloat, cpu) == 512);
+  CHECK(linear_cross_entropy_chunk_rows(8192, 768, 50257, at::kBFloat16, cpu) == 512);
+  CHECK(linear_cross_entropy_chunk_rows(8192, 768, 32768, at::kBFloat16, cpu) == 512);
+  CHECK(linear_cross_entropy_chunk_rows(16384, 4096, 128256, at::kBFloat16, cpu) == 512);
   CHECK(linear_cross_entropy_chunk_rows(16384, 4096, 128256, at::kBFloat16, cuda) == 2048);
-  CHECK(linear_cross_entropy_chunk_rows(300, 8, 1 << 24, at::kFloat, cuda) == 300);
+  CHECK(linear_cross_entropy_chunk_rows(300, 8, 1 << 24, at::kFloat, cpu) == 300);
+  CHECK(linear_cross_entropy_chunk_rows(3000, 8, 1 << 24, at::kFloat, cuda) == 2048);
   CHECK(linear_cross_entropy_chunk_rows(1 << 20, 8, 10, at::kFloat, cuda) ==
         linear_cross_entropy_chunk_rows(1 << 20, 8, 10, at::kFloat, cpu));
 }

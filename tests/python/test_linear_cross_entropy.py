@@ -514,11 +514,11 @@ def recorded_graphs():
 
 @pytest.mark.parametrize("gradients_in_forward", [True, False])
 def test_compiled_graph_calls_the_ops_as_eager_does(gradients_in_forward):
-    """The traced path takes the C++ default chunk rule (300 rows x 100000
-    classes: 64-row chunks, not the whole batch) and gradients_in_forward:
+    """The traced path takes the C++ default chunk rule (1100 rows x 20000
+    classes: 512-row chunks, not the whole batch) and gradients_in_forward:
     with_grad in the forward, or the backward op in the backward graph."""
     backend, graphs = recorded_graphs()
-    n, h, c = 300, 8, 100000
+    n, h, c = 1100, 8, 20000
     g = torch.Generator().manual_seed(8)
     x = torch.randn(n, h, generator=g)
     w = torch.randn(c, h, generator=g) / 3
@@ -540,11 +540,11 @@ def test_compiled_graph_calls_the_ops_as_eager_does(gradients_in_forward):
     backward = [node for node in nodes if node.target is BWD]
     assert len(forward) == 1
     chunk_rows, with_grad = forward[0].args[8:10]
-    assert chunk_rows == _C.linear_cross_entropy_chunk_rows(n, h, c, torch.float32, "cpu") == 64
+    assert chunk_rows == _C.linear_cross_entropy_chunk_rows(n, h, c, torch.float32, "cpu") == 512
     assert with_grad == gradients_in_forward
     assert len(backward) == (0 if gradients_in_forward else 1)
     if backward:
-        assert backward[0].args[11] == 64
+        assert backward[0].args[11] == 512
 
 
 COMPILE_CASES = {
@@ -880,22 +880,21 @@ def test_chunk_rule_matches_the_cpp_rule(dtype, device_type):
         element = torch.empty((), dtype=dtype).element_size()
         # A chunk's logits and gradient: about the input's memory, at least 64 MiB ...
         memory_rule = max(64, max(rows * h * element, 64 << 20) // (2 * c * element) // 64 * 64)
-        if device_type == "cpu":
-            assert py == min(memory_rule, rows)
-        else:
-            # ... and on CUDA at least 2048 rows (the dW GEMM's flops per byte of
-            # its fp32 accumulator: Note [Chunked linear cross-entropy]).
-            assert py == min(max(memory_rule, 2048), rows)
-    # The GPU goal's shape: 256 rows by memory alone, 2048 on CUDA.
-    assert FF._lce_chunk_rows(16384, 4096, 128256, torch.bfloat16, "cpu") == 256
+        # ... and at least 512 rows on the CPU, 2048 on CUDA (the dW GEMM's flops
+        # per byte of its fp32 sum: Note [Chunked linear cross-entropy]).
+        assert py == min(max(memory_rule, {"cpu": 512, "cuda": 2048}[device_type]), rows)
+    # The GPU goal's shape: 256 rows by memory alone.
+    assert FF._lce_chunk_rows(16384, 4096, 128256, torch.bfloat16, "cpu") == 512
     assert FF._lce_chunk_rows(16384, 4096, 128256, torch.bfloat16, "cuda") == 2048
+    # The CPU benchmark's fp32 shape: 128 rows by memory alone.
+    assert FF._lce_chunk_rows(8192, 768, 50257, torch.float32, "cpu") == 512
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_default_chunk_follows_the_inputs_device(device):
     """The C++ face picks the rule of the inputs' device: under a
     FakeTensorMode (no GPU needed, nothing allocated) 16384 x 64 -> 128256
-    bf16 rows go to the op in 128-row chunks on the CPU, 2048 on CUDA."""
+    bf16 rows go to the op in 512-row chunks on the CPU, 2048 on CUDA."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -914,7 +913,7 @@ def test_default_chunk_follows_the_inputs_device(device):
         t = torch.zeros(n, dtype=torch.long, device=device)
         with RecordChunkRows():
             FF.linear_cross_entropy(x, w, t)
-    expected = {"cpu": 128, "cuda": 2048}[device]
+    expected = {"cpu": 512, "cuda": 2048}[device]
     assert chunks == [expected] == [FF._lce_chunk_rows(n, h, c, torch.bfloat16, device)]
 
 
