@@ -172,9 +172,10 @@ struct Grads {
   at::Tensor bias;        // [C] float32 accumulator, or undefined
 };
 
-// Rows of a [rows, cols] output per CPU GEMM block: its product and a float32
-// copy of it (about 4 MiB) stay in cache, where whole-output temporaries in
-// each dtype cost 18% of the loss's time and 220 MiB (50257 x 768, bf16).
+// Rows of a [rows, cols] output per CPU GEMM block: the block's product (and
+// the float32 copy mm_accumulate_'s mixed-dtype add makes of it, about 4 MiB)
+// stay in cache, where whole-output temporaries in each dtype cost 18% of the
+// loss's time and 220 MiB (50257 x 768, bf16).
 int64_t cpu_block_rows(int64_t cols) {
   constexpr int64_t kBlockBytes = int64_t{4} << 20;
   return std::max<int64_t>(
