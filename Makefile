@@ -1,11 +1,26 @@
 # fusetrain's interface: build, test, train, bench, gpu-check. Each target
 # installs what is missing first (scripts/install-deps.sh is idempotent).
-PYTHON ?= $(CURDIR)/.venv/bin/python
+# TORCH_VERSION=2.11.0 make test: another supported torch
+# (python/fusetrain/_torch_versions.py) in a venv and build tree of its own,
+# .venv-torch2.11.0/ and build-torch2.11.0/; the default ones are untouched.
+DEFAULT_TORCH := $(shell sed -n 's/^DEFAULT = "\([0-9.]*\)".*/\1/p' python/fusetrain/_torch_versions.py)
+TORCH_VERSION ?= $(DEFAULT_TORCH)
+ifeq ($(TORCH_VERSION),$(DEFAULT_TORCH))
+VENV ?= .venv
 BUILD ?= build
+else
+VENV ?= .venv-torch$(TORCH_VERSION)
+BUILD ?= build-torch$(TORCH_VERSION)
+CMAKE_ARGS += -DFUSETRAIN_REBUILD_COMMAND="make -C $(CURDIR) build TORCH_VERSION=$(TORCH_VERSION)"
+PACKAGE_ROOT := $(BUILD)/python
+endif
+PACKAGE_ROOT ?= python
+export TORCH_VERSION VENV
+PYTHON ?= $(CURDIR)/$(VENV)/bin/python
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-.PHONY: deps configure build test kernel-mutants train bench docs gpu-check gpu-deps clean format
+.PHONY: deps configure build test test-quick kernel-mutants train bench docs gpu-check gpu-deps clean format
 
 deps:
 	@scripts/install-deps.sh
@@ -18,10 +33,15 @@ configure: $(BUILD)/build.ninja
 
 build: deps configure
 	cmake --build $(BUILD) -j $(JOBS)
-	@scripts/install-python.sh $(PYTHON) $(BUILD)
+	@scripts/install-python.sh $(PYTHON) $(BUILD) $(PACKAGE_ROOT)
 
 test: build
 	@scripts/run-tests.sh $(PYTHON) $(BUILD)
+
+# The build, the C++ and kernel tests, and a pytest selection that reaches
+# every module (tests/python/quick.txt): CI's leg on the oldest torch.
+test-quick: build
+	@scripts/run-tests.sh $(PYTHON) $(BUILD) quick
 
 # Planted bugs in copies of the kernels that the kernel tests must catch
 # (tests/kernel_mutants.txt): 7 to 12 minutes, so not part of test.

@@ -12,12 +12,20 @@ other with the same torch. An editable install (`pip install -e .`) copies
 libraries that record this environment's torch into python/fusetrain/ instead,
 as `make build` does.
 
+fusetrain is compiled against the torch of the environment that builds it
+(any of the releases python/fusetrain/_torch_versions.py names), and the
+package requires that torch's minor version (torch==2.15.* when built against
+2.15.0), as torchvision's wheels do: a C++ extension only loads into the torch
+whose ABI it was compiled for, so pip refuses or flags a later torch upgrade
+instead of leaving a package that no longer imports.
+
 FUSETRAIN_BUILD_DIR picks the CMake build folder (default: build-wheel/, or
 build-editable/ for an editable install; build/ is `make build`'s). It is
 kept between builds (ccache and ninja make a rebuild quick) and configured
 afresh when the torch it was configured for is no longer the one building.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -30,6 +38,36 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 STAGING = ROOT / "build-wheel" / "setuptools"
 STAGING.mkdir(parents=True, exist_ok=True)  # egg_info wants its folder to exist
+
+
+def torch_range() -> dict:
+    """OLDEST, NEWEST and DEFAULT of python/fusetrain/_torch_versions.py
+    (read as text: the package cannot be imported before it is built)."""
+    fields = {}
+    exec((ROOT / "python" / "fusetrain" / "_torch_versions.py").read_text(), {}, fields)
+    return fields
+
+
+def build_torch() -> str:
+    """The version of the torch this build compiles against, or an exit with
+    one line saying what to do: without build isolation, pip runs this with
+    the environment's own packages, which must hold a supported torch."""
+    supported = torch_range()
+    found = subprocess.run([sys.executable, "-c", "import torch; print(torch.__version__)"],
+                           capture_output=True, text=True)
+    if found.returncode != 0:
+        sys.exit(f"fusetrain: no torch in {sys.executable}, and fusetrain is compiled against the torch "
+                 f"it will run with: install one of torch {supported['OLDEST']} through "
+                 f"{supported['NEWEST']} first (pip install torch=={supported['DEFAULT']}), or build "
+                 f"with isolation (pip install . without --no-build-isolation)")
+    version = found.stdout.strip().splitlines()[-1]
+    minor = tuple(int(p) for p in version.split("+")[0].split(".")[:2])
+    oldest, newest = (tuple(int(p) for p in supported[k].split(".")) for k in ("OLDEST", "NEWEST"))
+    if not oldest <= minor <= newest:
+        sys.exit(f"fusetrain supports torch {supported['OLDEST']} through {supported['NEWEST']}, and "
+                 f"{sys.executable} has torch {version}: install a supported one "
+                 f"(pip install torch=={supported['DEFAULT']})")
+    return version
 
 
 def cmake_build_dir(editable: bool) -> Path:
@@ -89,6 +127,12 @@ class CMakeBuild(build_ext):
         # The C++ core in fusetrain/lib, not a package (Note [Wheel RUNPATH]).
         (target.parent / "lib").mkdir(exist_ok=True)
         shutil.copy2(build_dir / "libfusetrain.so", target.parent / "lib" / "libfusetrain.so")
+        # The build record (Note [Build record] in CMakeLists.txt), with the
+        # command that rebuilds an installed package: this one, against the
+        # environment's torch.
+        record = json.loads((build_dir / "build-info.json").read_text())
+        record["rebuild"] = f"pip install --no-build-isolation --force-reinstall --no-deps {ROOT}"
+        (target.parent / "lib" / "build-info.json").write_text(json.dumps(record, indent=2) + "\n")
         if editable:
             # Only _C is copied into the source tree by setuptools. Copied,
             # then renamed over the old one, so a running Python keeps its
@@ -97,7 +141,10 @@ class CMakeBuild(build_ext):
             dest.parent.mkdir(exist_ok=True)
             shutil.copy2(build_dir / "libfusetrain.so", f"{dest}.new")
             os.replace(f"{dest}.new", dest)
+            shutil.copy2(target.parent / "lib" / "build-info.json", dest.parent / "build-info.json")
 
+
+TORCH_VERSION = build_torch()
 
 setup(
     name="fusetrain",
@@ -111,7 +158,8 @@ setup(
     # python/fusetrain.egg-info (which would make python/ look installed).
     options={"build": {"build_base": str(STAGING)}, "egg_info": {"egg_base": str(STAGING)}},
     python_requires=">=3.10",
-    install_requires=["torch==2.11.*"],
+    # The torch this build compiled against, to its minor version (above).
+    install_requires=["torch=={}.{}.*".format(*TORCH_VERSION.split("+")[0].split(".")[:2])],
     # `pip install "fusetrain[tpu]"`: torch's TPU backend (device "tpu"),
     # built for torch 2.11 and later; fusetrain's ops run on it through their
     # device-generic kernels. Not installed or run where fusetrain is built.

@@ -35,7 +35,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "python"))
+sys.path.append(str(HERE.parent / "python"))  # after the environment's own fusetrain (e.g. a TORCH_VERSION build's)
 
 from common import Context, error_row, median, result, spread  # noqa: E402
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "python"))
+sys.path.append(str(HERE.parent / "python"))  # after the environment's own fusetrain (e.g. a TORCH_VERSION build's)
 
 import fusetrain  # noqa: E402
 import fusetrain.amp  # noqa: E402

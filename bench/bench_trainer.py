@@ -48,7 +48,7 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(ROOT / "python"))
+sys.path.append(str(ROOT / "python"))  # after the environment's own fusetrain (e.g. a TORCH_VERSION build's)
 
 from common import Context, result  # noqa: E402
 

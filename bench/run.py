@@ -79,20 +79,24 @@ def table(rows: list) -> str:
 def save(args, info: dict, now: datetime.datetime, command: str, ctx: Context, rows: list,
          elapsed: float) -> Path:
     """Writes this run's rows into the machine's file of the day (replacing
-    earlier rows of the same benchmark, thread count and CPU path) and a copy under
-    $OUT when set; returns the file's path."""
+    earlier rows of the same benchmark, thread count, CPU path and torch) and a
+    copy under $OUT when set; returns the file's path."""
     args.results_dir.mkdir(parents=True, exist_ok=True)
     path = args.results_dir / f"{machine_slug(info)}-{now:%Y-%m-%d}.json"
     kept = []
     if path.exists():
         try:
             old = json.loads(path.read_text())
-            key = lambda r: (r["benchmark"], r.get("threads"), r.get("cpu_path"))  # noqa: E731
+            # Rows written before rows carried their torch: the file's.
+            old_torch = old.get("machine", {}).get("torch")
+            key = lambda r: (r["benchmark"], r.get("threads"), r.get("cpu_path"),  # noqa: E731
+                             r.get("torch_version", old_torch))
             fresh = {key(r) for r in rows}
             kept = [r for r in old.get("results", []) if key(r) not in fresh]
         except (json.JSONDecodeError, KeyError):
             kept = []
     for r in rows:  # each row says which run it came from: the file may hold several
+        r["torch_version"] = info["torch"]  # runs on several torches sit side by side
         r["time"] = f"{now:%Y-%m-%dT%H:%M:%S}"
         r["command"] = command
         r["loadavg"] = [info["loadavg_start"], info.get("loadavg_end")]

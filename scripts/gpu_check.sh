@@ -150,7 +150,7 @@ fi
 if [ "$with_python" = ON ]; then
   mkdir -p python/fusetrain/lib
   cp -f "$BUILD"/_C.*.so python/fusetrain/
-  cp -f "$BUILD"/libfusetrain.so python/fusetrain/lib/
+  cp -f "$BUILD"/libfusetrain.so "$BUILD"/build-info.json python/fusetrain/lib/
 fi
 export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 export FUSETRAIN_BUILD_DIR="$PWD/$BUILD"

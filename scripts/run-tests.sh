@@ -2,10 +2,21 @@
 # Runs every test that this machine can run: the Catch2 binary (CUDA cases
 # skip without a GPU), the find_package consumer project, then pytest (its
 # summary line closes the output).
+#
+#   scripts/run-tests.sh PYTHON BUILD [quick]
+#
+# quick (make test-quick; CI's leg on the oldest supported torch): the Catch2
+# and kernel-emulator tests, then only the pytest cases listed in
+# tests/python/quick.txt, which reach every module of the package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-.venv/bin/python}
 BUILD=${2:-build}
+MODE=${3:-full}
+# The tests that start the CLI or a Python of their own find this build's.
+export FUSETRAIN_BUILD_DIR=$(cd "$BUILD" && pwd)
+export FUSETRAIN_PYTHON=$PY
+echo "== torch $("$PY" -c 'import torch; print(torch.__version__)') ($PY), build $BUILD"
 
 echo "== C++ tests (Catch2)"
 # [cuda] cases fail without a GPU (tests/cpp/cuda_test.h): where torch sees
@@ -43,6 +54,12 @@ for run in "order:$forward_pid" "reverse:$reverse_pid" "sanitized:$sanitized_pid
   cat "$kernel_logs/$name"
 done
 [ "$kernel_status" -eq 0 ] || exit 1
+
+if [ "$MODE" = quick ]; then
+  echo "== Python tests (pytest), the quick selection (tests/python/quick.txt)"
+  mapfile -t selection < <(grep -v -e '^#' -e '^$' tests/python/quick.txt | sed 's|^|tests/python/|')
+  exec "$PY" -m pytest -q "${selection[@]}"
+fi
 
 if [ -x tests/consumer/run.sh ]; then
   echo "== C++ consumer project (find_package(fusetrain))"

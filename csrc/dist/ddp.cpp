@@ -2,6 +2,7 @@
 // check and the rank-0 broadcast.
 #include <fusetrain/dist/ddp.h>
 
+#include <fusetrain/compat.h>
 #include <fusetrain/dist/comm_hooks.h>
 #include <fusetrain/dist/zero.h>
 
@@ -263,7 +264,7 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
   // The full buckets' buffers between backward passes: those in flight,
   // one filling, and one more.
   BufferPool bucket_buffers{kShardBucketsInFlight + 2};
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  std::vector<compat::NodeHandle> accumulators;
   std::vector<uintptr_t> hook_keys;
   // Device parameters: the accumulators' side stream (Note [DDP and CUDA
   // graphs]) and the two events that time the exposed communication.
@@ -532,7 +533,7 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
           } else {
             out = comm_pieces[next_bucket].defined() ? comm_pieces[next_bucket] : pieces[next_bucket];
           }
-          b.work = group->_reduce_scatter_base(out, b.buffer);
+          b.work = compat::reduce_scatter_single(*group, out, b.buffer);
         }
         // At most kShardBucketsInFlight full buckets stay alive (plus those
         // still filling): the oldest one's reduce-scatter is awaited and its
@@ -798,7 +799,7 @@ struct Reducer::Impl : public std::enable_shared_from_this<Reducer::Impl> {
           works.push_back(group->allreduce(tensors));
         } else {
           at::Tensor out = at::empty({piece_numel[b]}, zeros.options());
-          works.push_back(group->_reduce_scatter_base(out, zeros));
+          works.push_back(compat::reduce_scatter_single(*group, out, zeros));
         }
         continue;
       }

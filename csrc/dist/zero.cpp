@@ -1,5 +1,6 @@
 #include <fusetrain/dist/zero.h>
 
+#include <fusetrain/compat.h>
 #include <fusetrain/dist/ddp.h>
 #include <fusetrain/dist/shared_memory.h>
 #include <fusetrain/ops/amp.h>
@@ -244,7 +245,7 @@ std::vector<c10::intrusive_ptr<c10d::Work>> ShardedParameters::gather_into(at::T
     }
   } else {
     at::Tensor mine = full.narrow(0, rank_ * piece, piece);  // in place, as NCCL allows
-    works.push_back(group_->_allgather_base(full, mine));
+    works.push_back(compat::all_gather_single(*group_, full, mine));
   }
   return works;
 }
@@ -375,7 +376,7 @@ std::vector<at::Tensor> ShardedParameters::gather(const std::vector<at::Tensor>&
       }
     }
     at::Tensor full = at::empty({layout_.piece_numel(b) * layout_.world_size()}, opts);
-    wait_for(group_->_allgather_base(full, send), "the state-consolidation all-gather");
+    wait_for(compat::all_gather_single(*group_, full, send), "the state-consolidation all-gather");
     if (!keep) continue;
     for (const size_t i : layout_.buckets()[b]) {
       if (defined.const_data_ptr<int32_t>()[i] == 0) continue;

@@ -1,6 +1,8 @@
 // FusedAdamW and FusedSGD for LibTorch over the fused_adamw_ / fused_sgd_ ops.
-#include <fusetrain/ops/optim.h>
 #include <fusetrain/optim/fused.h>
+
+#include <fusetrain/compat.h>
+#include <fusetrain/ops/optim.h>
 
 #include <torch/optim/serialize.h>
 
@@ -60,6 +62,20 @@ at::Tensor run_closure(torch::optim::Optimizer::LossClosure& closure) {
 }  // namespace
 
 // ---------------------------------------------------------- FusedOptimizer
+
+FusedOptimizer::FusedOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                               std::unique_ptr<torch::optim::OptimizerOptions> defaults)
+    : torch::optim::Optimizer(std::vector<torch::optim::OptimizerParamGroup>{}, std::move(defaults)) {
+  for (const auto& group : param_groups) add_param_group(group);
+}
+
+FusedOptimizer::FusedOptimizer(std::vector<at::Tensor> params,
+                               std::unique_ptr<torch::optim::OptimizerOptions> defaults)
+    : torch::optim::Optimizer(std::move(params), std::move(defaults)) {}
+
+void FusedOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& param_group) {
+  compat::add_param_group(*this, param_group);
+}
 
 void FusedOptimizer::set_amp_scaling(std::optional<at::Tensor> grad_scale,
                                      std::optional<at::Tensor> found_inf) {

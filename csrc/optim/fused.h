@@ -22,7 +22,14 @@ namespace fusetrain::optim {
 /// optional learning-rate tensor).
 class FusedOptimizer : public torch::optim::Optimizer, public amp::AmpScalingOptimizer {
  public:
-  using torch::optim::Optimizer::Optimizer;
+  /// Each group keeps the options it was given (a group without any gets the
+  /// defaults), on every supported torch (compat::add_param_group).
+  FusedOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+                 std::unique_ptr<torch::optim::OptimizerOptions> defaults);
+  FusedOptimizer(std::vector<at::Tensor> params,
+                 std::unique_ptr<torch::optim::OptimizerOptions> defaults);
+  /// torch::optim::Optimizer::add_param_group, keeping the group's options.
+  void add_param_group(const torch::optim::OptimizerParamGroup& param_group);
 
   void set_amp_scaling(std::optional<at::Tensor> grad_scale,
                        std::optional<at::Tensor> found_inf) override;

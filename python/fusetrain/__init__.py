@@ -6,7 +6,11 @@ choose a precision with ``fusetrain.amp.Policy``.
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import _C
+from ._compat import check_torch_build
+
+check_torch_build()  # a torch other than the one _C was built for: ImportError, not a crash
+
+from . import _C  # noqa: E402
 from . import amp, graph, optim, parallel, utils
 from ._devices import devices, tpu_available
 from .graph import fuse_steps

@@ -205,6 +205,31 @@ TEST_CASE("FusedAdamW follows torch::optim::AdamW on a small model", "[optim][ad
   }
 }
 
+TEST_CASE("Param groups added later keep their options, as in torch::optim", "[optim]") {
+  // torch 2.15's Optimizer::add_param_group gives a group of an optimizer
+  // outside torch the defaults alone (Note [torch compat], compat.h).
+  OptimNet net = make_optim_net(4);
+  FusedAdamW adamw(net->fc1->parameters(), FusedAdamWOptions(1e-2).weight_decay(0.1));
+  adamw.add_param_group(torch::optim::OptimizerParamGroup(
+      net->fc2->parameters(),
+      std::make_unique<FusedAdamWOptions>(FusedAdamWOptions(3e-3).weight_decay(0.0).amsgrad(true))));
+  REQUIRE(adamw.param_groups().size() == 2);
+  const auto& added = static_cast<const FusedAdamWOptions&>(adamw.param_groups()[1].options());
+  CHECK(added.lr() == 3e-3);
+  CHECK(added.weight_decay() == 0.0);
+  CHECK(added.amsgrad());
+  const auto& first = static_cast<const FusedAdamWOptions&>(adamw.param_groups()[0].options());
+  CHECK(first.lr() == 1e-2);
+  CHECK(first.weight_decay() == 0.1);
+
+  FusedSGD sgd(net->fc1->parameters(), FusedSGDOptions(0.05));
+  sgd.add_param_group(torch::optim::OptimizerParamGroup(
+      net->fc2->parameters(), std::make_unique<FusedSGDOptions>(FusedSGDOptions(0.01).momentum(0.9))));
+  const auto& sgd_added = static_cast<const FusedSGDOptions&>(sgd.param_groups()[1].options());
+  CHECK(sgd_added.lr() == 0.01);
+  CHECK(sgd_added.momentum() == 0.9);
+}
+
 TEST_CASE("FusedAdamW in Adam mode (L2 decay) follows torch::optim::Adam", "[optim][adamw]") {
   OptimNet net = make_optim_net(2), ref = make_optim_net(2);
   FusedAdamW ours(net->parameters(),

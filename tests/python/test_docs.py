@@ -311,6 +311,15 @@ struct DocsExample {
 """
 
 
+def _torch_cxx_standard() -> str:
+    """The C++ standard torch's headers need, as its CMake target asks for it:
+    C++20 from torch 2.15 (whose headers stop below it), C++17 before."""
+    import torch.utils
+
+    config = Path(torch.utils.cmake_prefix_path) / "Torch" / "TorchConfig.cmake"
+    return "gnu++20" if "cxx_std_20" in config.read_text() else "gnu++17"
+
+
 def test_cpp_examples_compile(tmp_path):
     """Every unmarked cpp block compiles (a syntax and type check against
     the headers, with the names of _CPP_PRELUDE in scope): the C++ guide
@@ -329,7 +338,7 @@ def test_cpp_examples_compile(tmp_path):
         source += [f"  void example_{i}() {{", f'#line {b.line} "{b.page.relative_to(ROOT)}"', b.code, "  }"]
     source.append("};")
     (tmp_path / "examples.cpp").write_text("\n".join(source))
-    cmd = [compiler, "-std=gnu++17", "-fsyntax-only", "-DUSE_C10D_GLOO", "-DUSE_DISTRIBUTED",
+    cmd = [compiler, f"-std={_torch_cxx_standard()}", "-fsyntax-only", "-DUSE_C10D_GLOO", "-DUSE_DISTRIBUTED",
            f"-I{include}", *[f"-isystem{p}" for p in torch.utils.cpp_extension.include_paths()],
            str(tmp_path / "examples.cpp")]
     p = _run(cmd, cwd=tmp_path, env=dict(os.environ), timeout=300)

@@ -32,7 +32,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
-BUILD = Path(os.environ.get("FUSETRAIN_EXAMPLES_BUILD", ROOT / "build"))
+BUILD = Path(os.environ.get("FUSETRAIN_EXAMPLES_BUILD", os.environ.get("FUSETRAIN_BUILD_DIR", ROOT / "build")))
 MIN_FALL = 0.02
 LOSS = re.compile(r"loss ([-+.0-9eE]+) -> ([-+.0-9eEinfa]+)")
 

@@ -12,6 +12,7 @@ checks that no process is left behind.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 import os
@@ -52,13 +53,17 @@ RUN_DEADLINE_S = 240
 _ports = itertools.count(29610)
 
 # torchrun's own variables would make a reference run join a group.
+# The folder this interpreter imports fusetrain from (python/, or a build
+# tree's own for another torch: scripts/install-python.sh).
+PACKAGE_ROOT = str(Path(importlib.util.find_spec("fusetrain").submodule_search_locations[0]).parent)
+
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "GROUP_RANK", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT")
 
 
 def clean_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _DIST_VARS}
-    env["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = PACKAGE_ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra or {})
     return env
 

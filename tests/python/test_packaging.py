@@ -53,7 +53,9 @@ def _clean_env() -> dict:
     """The environment without what would hide a wrong RUNPATH or leak this
     checkout's package into another interpreter."""
     env = dict(os.environ)
-    for var in ("LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "PYTHONHOME"):
+    # FUSETRAIN_BUILD_DIR (the tests' CLI build) would also be setup.py's
+    # CMake folder: the wheel would be built over `make build`'s.
+    for var in ("LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH", "PYTHONHOME", "FUSETRAIN_BUILD_DIR"):
         env.pop(var, None)
     return env
 

@@ -28,7 +28,7 @@ from fusetrain.amp import GradScaler, Policy, autocast, best_policy
 from fusetrain.graph import _compile_backend
 
 ROOT = Path(__file__).resolve().parents[2]
-BIN = ROOT / "build" / "fusetrain"
+BIN = Path(os.environ.get("FUSETRAIN_BUILD_DIR", ROOT / "build")) / "fusetrain"
 HAS_TORCH_TPU = importlib.util.find_spec("torch_tpu") is not None
 
 STAND_IN = '''
@@ -72,7 +72,7 @@ def run_with(site: Path, script: str) -> None:
     """Runs `script` in a fresh interpreter that finds the stand-in and
     fusetrain; its assertion errors fail the test with its stderr."""
     env = dict(os.environ)
-    paths = [str(site), env.get("PYTHONPATH", ""), str(ROOT / "python")]
+    paths = [str(site), env.get("PYTHONPATH", ""), str(Path(fusetrain.__file__).parent.parent)]
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     p = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env, capture_output=True,
                        text=True, timeout=120)
