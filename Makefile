@@ -11,7 +11,6 @@ BUILD ?= build
 else
 VENV ?= .venv-torch$(TORCH_VERSION)
 BUILD ?= build-torch$(TORCH_VERSION)
-CMAKE_ARGS += -DFUSETRAIN_REBUILD_COMMAND="make -C $(CURDIR) build TORCH_VERSION=$(TORCH_VERSION)"
 PACKAGE_ROOT := $(BUILD)/python
 endif
 PACKAGE_ROOT ?= python
@@ -25,11 +24,9 @@ CMAKE_ARGS ?=
 deps:
 	@scripts/install-deps.sh
 
-$(BUILD)/build.ninja:
-	@$(MAKE) --no-print-directory deps
-	cmake -S . -B $(BUILD) -G Ninja -DPython3_EXECUTABLE=$(PYTHON) $(CMAKE_ARGS)
-
-configure: $(BUILD)/build.ninja
+# Afresh when PYTHON or its torch is not the one $(BUILD) was configured for.
+configure: deps
+	@scripts/configure.sh $(PYTHON) $(BUILD) $(CMAKE_ARGS)
 
 build: deps configure
 	cmake --build $(BUILD) -j $(JOBS)

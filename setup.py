@@ -131,7 +131,7 @@ class CMakeBuild(build_ext):
         # command that rebuilds an installed package: this one, against the
         # environment's torch.
         record = json.loads((build_dir / "build-info.json").read_text())
-        record["rebuild"] = f"pip install --no-build-isolation --force-reinstall --no-deps {ROOT}"
+        record["rebuild"] = f"{{python}} -m pip install --no-build-isolation --force-reinstall --no-deps {ROOT}"
         (target.parent / "lib" / "build-info.json").write_text(json.dumps(record, indent=2) + "\n")
         if editable:
             # Only _C is copied into the source tree by setuptools. Copied,

@@ -11,13 +11,16 @@ as if there were one torch.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
 
 from . import _torch_versions
 
-_BUILD_RECORD = Path(__file__).resolve().parent / "lib" / "build-info.json"
+# Not resolved: a TORCH_VERSION build links the modules in from python/ and
+# keeps its own lib/ (scripts/install-python.sh).
+_BUILD_RECORD = Path(__file__).parent / "lib" / "build-info.json"
 
 
 def _minor(version: str) -> str:
@@ -39,7 +42,8 @@ def check_torch_build(record: Path = _BUILD_RECORD) -> None:
     except FileNotFoundError:
         return  # no build record: loading _C reports what is missing
     running = torch.__version__
-    rebuild = built.get("rebuild") or "pip install --no-build-isolation --force-reinstall --no-deps fusetrain"
+    rebuild = (built.get("rebuild") or "{python} -m pip install --no-build-isolation --force-reinstall "
+               "--no-deps <fusetrain's source>").replace("{python}", sys.executable)
     if _minor(built["torch"]) != _minor(running):
         supported = ""
         if not (_as_tuple(_torch_versions.OLDEST) <= _as_tuple(_minor(running))

@@ -70,7 +70,7 @@ def test_pyproject_build_requirement_is_the_supported_range():
 
 
 # ------------------------------------------------------------- import check
-def _record(tmp_path: Path, torch_version: str, cuda=None, rebuild="make -C /src build") -> Path:
+def _record(tmp_path: Path, torch_version: str, cuda=None, rebuild="make -C /src build PYTHON={python}") -> Path:
     record = tmp_path / "build-info.json"
     record.write_text(json.dumps({"fusetrain": "0.1.0", "torch": torch_version, "cuda": cuda,
                                   "rebuild": rebuild}))
@@ -89,9 +89,11 @@ def test_build_record_of_another_torch_raises_naming_both_and_the_fix(tmp_path, 
     if _minor(built) == _minor(RUNNING):
         pytest.skip("that build is this torch's")
     with pytest.raises(ImportError) as err:
-        _compat.check_torch_build(_record(tmp_path, built, rebuild="make -C /src build"))
+        _compat.check_torch_build(_record(tmp_path, built))
     message = str(err.value)
-    assert built in message and RUNNING in message and "make -C /src build" in message, message
+    # The command rebuilds for the Python that failed to import.
+    assert built in message and RUNNING in message, message
+    assert message.endswith(f"make -C /src build PYTHON={sys.executable}"), message
     assert "\n" not in message
 
 
@@ -116,7 +118,7 @@ def test_import_of_a_build_for_another_torch_is_an_import_error(tmp_path):
     assert p.returncode == 1, p.stderr[-3000:]
     last = p.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: fusetrain was built for torch " + other), last
-    assert RUNNING in last and record["rebuild"] in last, last
+    assert RUNNING in last and record["rebuild"].replace("{python}", sys.executable) in last, last
 
 
 def _other_torch_pythons():
