@@ -27,8 +27,9 @@ namespace fusetrain::compat {
 /// Optimizer::add_param_group (which its constructors call too) merges a
 /// group's options into the defaults only for torch's own option types
 /// (AdamWOptions, SGDOptions, ...) and gives any other optimizer's group the
-/// defaults alone, so FusedAdamW's per-group lr and weight decay were lost;
-/// torch 2.11 kept the group's options whole, as this does on every torch.
+/// defaults alone, so FusedAdamW's per-group lr and weight decay were lost
+/// (since torch 2.12); torch 2.11 kept the group's options whole, as this
+/// does on every torch.
 inline void add_param_group(torch::optim::Optimizer& optimizer,
                             const torch::optim::OptimizerParamGroup& group) {
   optimizer.add_param_group(group);
@@ -37,7 +38,7 @@ inline void add_param_group(torch::optim::Optimizer& optimizer,
 
 // ------------------------------------------------------- autograd node handles
 /// The owning handle of an autograd Node (a leaf's gradient accumulator):
-/// std::shared_ptr<Node> in torch 2.11, c10::intrusive_ptr<Node> in 2.15.
+/// std::shared_ptr<Node> through torch 2.12, c10::intrusive_ptr<Node> from 2.13.
 using NodeHandle =
     decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
@@ -45,9 +46,9 @@ using NodeHandle =
 namespace detail {
 template <typename Group, typename = void>
 struct HasSingleCollectives : std::false_type {};
-// torch 2.15 names them after torchcomms (all_gather_single,
-// reduce_scatter_single) and deprecates the underscore names; 2.11 has only
-// those (_allgather_base, _reduce_scatter_base).
+// From torch 2.13 they are named after torchcomms (all_gather_single,
+// reduce_scatter_single) and the underscore names are deprecated; 2.11 and
+// 2.12 have only those (_allgather_base, _reduce_scatter_base).
 template <typename Group>
 struct HasSingleCollectives<
     Group, std::void_t<decltype(std::declval<Group&>().all_gather_single(

@@ -313,7 +313,7 @@ struct DocsExample {
 
 def _torch_cxx_standard() -> str:
     """The C++ standard torch's headers need, as its CMake target asks for it:
-    C++20 from torch 2.15 (whose headers stop below it), C++17 before."""
+    C++20 from torch 2.14 (whose headers stop below it), C++17 before."""
     import torch.utils
 
     config = Path(torch.utils.cmake_prefix_path) / "Torch" / "TorchConfig.cmake"
