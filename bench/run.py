@@ -31,7 +31,9 @@ from common import Context, loadavg, machine_info, machine_slug  # noqa: E402
 
 
 def discover() -> list:
-    return sorted(p.stem for p in HERE.glob("bench_*.py"))
+    """The modules run() drives. bench_fsdp2, bench_zero and bench_multihost
+    launch processes of their own and run as scripts (bench/README.md)."""
+    return sorted(p.stem for p in HERE.glob("bench_*.py") if "\ndef run(ctx" in p.read_text())
 
 
 def parse_args(argv=None):
@@ -83,20 +85,23 @@ def save(args, info: dict, now: datetime.datetime, command: str, ctx: Context, r
     copy under $OUT when set; returns the file's path."""
     args.results_dir.mkdir(parents=True, exist_ok=True)
     path = args.results_dir / f"{machine_slug(info)}-{now:%Y-%m-%d}.json"
+    for r in rows:  # runs on several torches sit side by side
+        r["torch_version"] = info["torch"]
     kept = []
     if path.exists():
         try:
             old = json.loads(path.read_text())
-            # Rows written before rows carried their torch: the file's.
-            old_torch = old.get("machine", {}).get("torch")
+            for r in old.get("results", []):
+                # Rows written before rows carried their torch: the file's,
+                # which the last run to write it set.
+                r.setdefault("torch_version", old.get("machine", {}).get("torch"))
             key = lambda r: (r["benchmark"], r.get("threads"), r.get("cpu_path"),  # noqa: E731
-                             r.get("torch_version", old_torch))
+                             r["torch_version"])
             fresh = {key(r) for r in rows}
             kept = [r for r in old.get("results", []) if key(r) not in fresh]
         except (json.JSONDecodeError, KeyError):
             kept = []
     for r in rows:  # each row says which run it came from: the file may hold several
-        r["torch_version"] = info["torch"]  # runs on several torches sit side by side
         r["time"] = f"{now:%Y-%m-%dT%H:%M:%S}"
         r["command"] = command
         r["loadavg"] = [info["loadavg_start"], info.get("loadavg_end")]
