@@ -401,6 +401,22 @@ class _ForwardRedirection(_DDPForwardRedirection):
             super().on_after_outer_forward(wrapper_module, original_module)
 
 
+def _averages_by_division(tensor: torch.Tensor, group: Optional[Any]) -> bool:
+    """Whether a mean of ``tensor`` over ``group`` is a SUM and a division:
+    a CPU tensor over an initialised group whose CPU backend is gloo under
+    another name (``"fusetrain"``, ``"cpu:fusetrain,cuda:nccl"``,
+    ``"cpu:gloo,cuda:nccl"``). A group named ``"gloo"`` Lightning handles
+    itself."""
+    dist = torch.distributed
+    if tensor.device.type != "cpu" or not (dist.is_available() and dist.is_initialized()):
+        return False
+    backend = str(dist.get_backend(group))
+    if backend == "gloo":
+        return False
+    cpu = dict(part.split(":", 1) for part in backend.split(",") if ":" in part).get("cpu", backend)
+    return cpu in ("fusetrain", "gloo")
+
+
 def _ddp_arguments() -> set:
     return set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module", "device_ids"}
 
@@ -474,6 +490,29 @@ class FusetrainDDPStrategy(DDPStrategy):
         if self.root_device.type == "cpu":
             return "fusetrain"
         return super()._get_process_group_backend()
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Any = "mean") -> Any:
+        """Lightning's ``reduce`` (what ``self.log(..., sync_dist=True)`` calls),
+        with a mean over a CPU group done as on ``strategy="ddp"``'s gloo.
+
+        Lightning averages as a SUM then a division only for a group whose
+        backend is named ``"gloo"``, and sends ``ReduceOp.AVG`` to any other:
+        the ``"fusetrain"`` backend, gloo underneath, cannot average integers
+        (Lightning's epoch counters are int64). Here a string ``"mean"`` /
+        ``"avg"`` of a CPU tensor over such a group is that SUM and division,
+        so the results are those of ``"ddp"`` on the CPU, bit for bit (an
+        integer tensor keeps its dtype, the quotient truncated, as there).
+        """
+        if (isinstance(tensor, torch.Tensor) and isinstance(reduce_op, str)
+                and reduce_op.lower() in ("mean", "avg") and _averages_by_division(tensor, group)):
+            from lightning.fabric.utilities.distributed import _sync_ddp
+
+            result = _sync_ddp(tensor, group, reduce_op=torch.distributed.ReduceOp.SUM)
+            world = torch.distributed.get_world_size(group)
+            if not torch.is_floating_point(result):
+                return result.copy_(result / world)
+            return result.div_(world)
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)
 
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         """Wraps the LightningModule in fusetrain's ``DistributedDataParallel``."""

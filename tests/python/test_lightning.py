@@ -53,6 +53,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 EXAMPLE = ROOT / "examples" / "lightning_train.py"
+LOGGING = HERE / "lightning_logging.py"
 
 WORLD = 2
 STEPS_PER_EPOCH = 4
@@ -680,6 +681,56 @@ def test_import_without_lightning():
     line = [ln for ln in done.stdout.splitlines() if ln.startswith("ERROR:")]
     assert len(line) == 1, done.stdout
     assert 'pip install "fusetrain[lightning]"' in line[0] and "\n" not in line[0]
+
+
+# ------------------------------------------------------------ self.log(sync_dist=True)
+
+
+def _launch(script: Path, args: list, cwd: Path) -> str:
+    """Starts ``script`` as a user does (Lightning's launcher starts the
+    second process); its output, or the test fails with it."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+                        "LOCAL_WORLD_SIZE", "NODE_RANK") and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=str(cwd),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=EXAMPLE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's child rank too
+        output, _ = proc.communicate()
+        pytest.fail(f"{script.name} {' '.join(args)} ran past {EXAMPLE_TIMEOUT_S:.0f} s (killed):\n{output[-3000:]}")
+    assert proc.returncode == 0, f"{script.name} {' '.join(args)}:\n{output[-3000:]}"
+    return output
+
+
+def test_sync_dist_logging_as_lightning_ddp(tmp_path):
+    """Lightning's own logging with sync_dist=True (float and int64 tensors,
+    a Python int, sums, maxima, a torchmetrics object; training and
+    validation) on 2 ranks: fusetrain_ddp and fusetrain_ddp_zero log what
+    strategy="ddp" logs, bit for bit. Lightning sends ReduceOp.AVG for an
+    epoch mean to any backend not named "gloo", and the "fusetrain" backend
+    (gloo underneath) cannot average Lightning's int64 counters: this
+    crashed with "result type Float can't be cast to the desired output type
+    Long" on both ranks."""
+    logged = {}
+    for strategy in ("ddp", "fusetrain_ddp", "fusetrain_ddp_zero"):
+        _launch(LOGGING, [strategy, str(tmp_path / f"{strategy}.pt")], tmp_path)
+        logged[strategy] = torch.load(tmp_path / f"{strategy}.pt", weights_only=False)
+    reference = logged["ddp"]
+    assert len(reference["epochs"]) == 2
+    # What the data says, counted here: 96 samples an epoch; validation
+    # batches 1..4 on rank 0 and 2..5 on rank 1 average to 3.
+    assert float(reference["last"]["train_samples"]) == 96.0
+    assert float(reference["last"]["val_batch"]) == 3.0
+    for strategy in ("fusetrain_ddp", "fusetrain_ddp_zero"):
+        ours = logged[strategy]
+        for epoch, (a, b) in enumerate(zip(ours["epochs"], reference["epochs"])):
+            assert sorted(a) == sorted(b), (strategy, epoch)
+            for name in b:
+                assert_bits_equal(a[name], b[name], f"{strategy} epoch {epoch} {name}")
 
 
 # ------------------------------------------------------------ the example
