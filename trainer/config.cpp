@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -83,6 +84,34 @@ std::string suggestion(const std::string& word, const std::vector<std::string>& 
   return best.empty() ? "" : " (did you mean \"" + best + "\"?)";
 }
 
+// The shortest text that reads back as `v`, in a form YAML 1.1 readers
+// (PyYAML) take for a float too: a dot in the mantissa ("0.0003", "1.0e-08").
+std::string canonical_float(double v) {
+  char buf[64];
+  for (int precision = 1; precision <= 17; ++precision) {
+    std::snprintf(buf, sizeof(buf), "%.*g", precision, v);
+    if (std::strtod(buf, nullptr) == v) break;
+  }
+  std::string text = buf;
+  if (text.find_first_of(".ni") == std::string::npos) {  // not "inf"/"nan"
+    const auto e = text.find('e');
+    text.insert(e == std::string::npos ? text.size() : e, ".0");
+  }
+  return text;
+}
+
+// A float key's value as the config shows it (--print-config, config.yaml,
+// errors): an integral value as its digits ("600", not "6.0e+02"), any other
+// as canonical_float's shortest round trip.
+std::string display_float(double v) {
+  if (v == std::floor(v) && std::fabs(v) < 1e15) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%.0f", v);
+    return buf;
+  }
+  return canonical_float(v);
+}
+
 const char* type_name(KeyType t) {
   switch (t) {
     case KeyType::kInt: return "an integer";
@@ -94,14 +123,23 @@ const char* type_name(KeyType t) {
   return "";
 }
 
+// A bound as the user would write it: every digit of an integer key's
+// (1000000000000000, not 1e+15), the shortest round trip of a float's.
+std::string bound_text(const KeySpec& s, double v) {
+  if (s.type == KeyType::kInt || s.type == KeyType::kIntList) {
+    return std::to_string(static_cast<int64_t>(v));
+  }
+  return display_float(v);
+}
+
 std::string bounds_text(const KeySpec& s) {
   std::ostringstream out;
   if (s.min > -kInf && s.max < kInf) {
-    out << " in [" << s.min << ", " << s.max << "]";
+    out << " in [" << bound_text(s, s.min) << ", " << bound_text(s, s.max) << "]";
   } else if (s.min > -kInf) {
-    out << " >= " << s.min;
+    out << " >= " << bound_text(s, s.min);
   } else if (s.max < kInf) {
-    out << " <= " << s.max;
+    out << " <= " << bound_text(s, s.max);
   }
   return out.str();
 }
@@ -134,22 +172,6 @@ bool parse_bool(const std::string& text, bool& out) {
   return false;
 }
 
-// The shortest text that reads back as `v`, in a form YAML 1.1 readers
-// (PyYAML) take for a float too: a dot in the mantissa ("0.0003", "1.0e-08").
-std::string canonical_float(double v) {
-  char buf[64];
-  for (int precision = 1; precision <= 17; ++precision) {
-    std::snprintf(buf, sizeof(buf), "%.*g", precision, v);
-    if (std::strtod(buf, nullptr) == v) break;
-  }
-  std::string text = buf;
-  if (text.find_first_of(".ni") == std::string::npos) {  // not "inf"/"nan"
-    const auto e = text.find('e');
-    text.insert(e == std::string::npos ? text.size() : e, ".0");
-  }
-  return text;
-}
-
 std::vector<std::string> split_list(const std::string& text) {
   std::string t = trim(text);
   if (t.size() >= 2 && t.front() == '[' && t.back() == ']') t = t.substr(1, t.size() - 2);
@@ -163,6 +185,11 @@ std::vector<std::string> split_list(const std::string& text) {
 
 }  // namespace
 
+// Said in the help of every is_path_key key.
+constexpr const char* kPathRule =
+    "; a relative path in a config file is relative to that file's directory, one given with "
+    "--set to the working directory";
+
 const std::vector<KeySpec>& config_schema() {
   using K = KeyType;
   static const std::vector<KeySpec> schema = {
@@ -171,7 +198,7 @@ const std::vector<KeySpec>& config_schema() {
           {"mlp", "cnn", "resnet", "gpt", "torchscript"}),
       key("model.path", K::kString, "",
           "torchscript: a module saved with torch.jit.save(torch.jit.script(m) or trace); its "
-          "forward takes a batch of inputs and returns logits"),
+          "forward takes a batch of inputs and returns logits" + std::string(kPathRule)),
       key("model.channels", K::kIntList, "16,32",
           "cnn: output channels of each block (3x3 conv, batch norm, ReLU, 2x2 max pool)", {}, 1,
           4096),
@@ -215,10 +242,10 @@ const std::vector<KeySpec>& config_schema() {
           {"fashion_mnist", "tensors", "tokens", "text", "synthetic", "synthetic_images",
            "synthetic_tokens"}),
       key("data.path", K::kString, "/usr/share/datasets/fashion-mnist",
-          "fashion_mnist: directory of the gzip IDX files; tensors, tokens, text: the file"),
+          "fashion_mnist: directory of the gzip IDX files; tensors, tokens, text: the file" + std::string(kPathRule)),
       key("data.val_path", K::kString, "",
           "tensors, tokens, text: a separate validation file of the same kind (empty: "
-          "data.val_fraction of data.path)"),
+          "data.val_fraction of data.path)" + std::string(kPathRule)),
       key("data.val_fraction", K::kFloat, "0.1",
           "tensors, tokens, text without data.val_path: the share held out for validation "
           "(tensors: a seeded random subset; tokens, text: the end of the stream)", {}, 0.0001,
@@ -285,6 +312,14 @@ const std::vector<KeySpec>& config_schema() {
       key("train.ema_decay", K::kFloat, "0",
           "keep an exponential moving average of the weights with this decay per step (0: off), "
           "evaluated beside them (ema_accuracy) and kept in checkpoints", {}, 0, 0.999999),
+      key("train.nonfinite", K::kString, "error",
+          "a step whose loss or gradient norm is NaN or inf (under float16 loss scaling: whose "
+          "loss is; a gradient overflow is the scaler's to skip): error stops the run at the "
+          "next host synchronisation (exit 1) naming the step, its samples and the cause, with "
+          "no checkpoint written after it; skip skips the step (weights, optimizer state and "
+          "batch-norm statistics unchanged) and counts it in the log (nonfinite); ignore trains "
+          "on. Checked on the device: no host sync per step",
+          {"error", "skip", "ignore"}),
       key("train.label_smoothing", K::kFloat, "0",
           "classification: the training loss's label smoothing (torch's cross_entropy "
           "label_smoothing; evaluation reports the plain loss)", {}, 0, 1),
@@ -369,7 +404,7 @@ const std::vector<KeySpec>& config_schema() {
           "bound on the rendezvous and on every collective, seconds", {}, 1, 1e7),
 
       key("output.run_dir", K::kString, "",
-          "run directory (empty: runs/<config name>-<date>-<time>)"),
+          "run directory (empty: runs/<config name>-<date>-<time>)" + std::string(kPathRule)),
       key("output.checkpoint_every", K::kInt, "0", "steps between checkpoints (0: at the end only)",
           {}, 0, 1e15),
       key("output.keep_checkpoints", K::kInt, "3", "periodic checkpoints kept (oldest removed)",
@@ -433,7 +468,7 @@ void Config::set(const std::string& k, const std::string& raw, const std::string
       double v = 0;
       if (!parse_float(text, v)) throw bad("is not a number");
       check_bounds(v);
-      canonical = canonical_float(v);
+      canonical = display_float(v);
       break;
     }
     case KeyType::kBool: {
@@ -475,7 +510,13 @@ void Config::apply_override(const std::string& assignment) {
   set(trim(assignment.substr(0, eq)), assignment.substr(eq + 1), "--set " + assignment);
 }
 
-Config Config::from_yaml(const std::string& text, const std::string& origin) {
+bool is_path_key(const std::string& key) {
+  return key == "model.path" || key == "data.path" || key == "data.val_path" ||
+         key == "output.run_dir";
+}
+
+Config Config::from_yaml(const std::string& text, const std::string& origin,
+                         const std::string& base_dir) {
   Config config;
   YAML::Node root;
   try {
@@ -518,6 +559,10 @@ Config Config::from_yaml(const std::string& text, const std::string& origin) {
       } else {
         throw UsageError(where(item.first) + ": " + k + ": expected a value, not a mapping");
       }
+      if (!base_dir.empty() && is_path_key(k) && !value.empty() &&
+          std::filesystem::path(value).is_relative()) {
+        value = (std::filesystem::path(base_dir) / value).lexically_normal().string();
+      }
       config.set(k, value, where(item.first));
     }
   }
@@ -531,7 +576,7 @@ Config Config::from_file(const std::string& path) {
   }
   std::stringstream buf;
   buf << in.rdbuf();
-  Config config = from_yaml(buf.str(), path);
+  Config config = from_yaml(buf.str(), path, std::filesystem::path(path).parent_path().string());
   std::string base = path.substr(path.find_last_of('/') + 1);
   config.set_name(base.substr(0, base.find_last_of('.')));
   return config;

@@ -35,16 +35,27 @@ struct KeySpec {
 /// Every key the trainer knows, in the order the resolved config lists them.
 const std::vector<KeySpec>& config_schema();
 
+/// Whether `key` names a file or directory (model.path, data.path,
+/// data.val_path, output.run_dir): relative to the config file that sets it,
+/// to the working directory when --set or a flag does.
+bool is_path_key(const std::string& key);
+
 class Config {
  public:
   /// All keys at their defaults.
   Config();
 
   /// Reads a YAML file of sections ("model:", "optimizer:", ...) holding keys.
-  /// Unknown keys and bad values raise UsageError naming file:line.
+  /// Unknown keys and bad values raise UsageError naming file:line. A
+  /// relative path (is_path_key) is relative to the file's directory, as in
+  /// most tools' configs: configs/gpt_text.yaml reads ../data/kjv.txt from
+  /// any working directory.
   static Config from_file(const std::string& path);
-  /// The same from YAML text (e.g. the copy stored in a checkpoint).
-  static Config from_yaml(const std::string& text, const std::string& origin);
+  /// The same from YAML text (e.g. the copy stored in a checkpoint); relative
+  /// paths are taken relative to `base_dir` when it is not empty, else kept
+  /// as written (relative to the working directory).
+  static Config from_yaml(const std::string& text, const std::string& origin,
+                          const std::string& base_dir = "");
 
   /// Sets `key` from its text form; `origin` ("--set", "--epochs", a file
   /// position) goes into the error message. Lists: "16,32" or "[16, 32]".

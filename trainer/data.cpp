@@ -34,7 +34,8 @@ at::Generator generator(uint64_t seed) { return at::make_generator<at::CPUGenera
 
 Split take_first(const Split& s, int64_t n) {
   if (n <= 0 || n >= s.size()) return s;
-  return Split{s.inputs.narrow(0, 0, n), s.targets.narrow(0, 0, n)};
+  return Split{s.inputs.narrow(0, 0, n), s.targets.narrow(0, 0, n),
+               s.rows.defined() ? s.rows.narrow(0, 0, n) : at::Tensor()};
 }
 
 Split fashion_split(const at::Tensor& images, const at::Tensor& labels, const std::string& what,
@@ -209,22 +210,19 @@ LargestLabel largest_label(const at::Tensor& labels, std::string file) {
 }
 
 Split rows(const Split& s, const at::Tensor& index) {
-  return Split{s.inputs.index_select(0, index), s.targets.index_select(0, index)};
+  return Split{s.inputs.index_select(0, index), s.targets.index_select(0, index),
+               s.rows.defined() ? s.rows.index_select(0, index) : index};
 }
 
 Dataset tensors_dataset(const Config& config) {
   const std::string& path = config.get_string("data.path");
   const std::string& val_path = config.get_string("data.val_path");
   Split train = classification_split(path, "data.path", config);
-  // The largest label and where it is in its file (before any split): with
-  // data.num_classes unset it sets the class count, and a stray label is as
-  // likely a cause of a model/data mismatch as a model of too few outputs.
-  LargestLabel largest = largest_label(train.targets, "data.path " + path);
   Split val;
+  std::string val_file;  // how the errors name the validation labels' file
   if (!val_path.empty()) {
     val = classification_split(val_path, "data.val_path", config);
-    const LargestLabel in_val = largest_label(val.targets, "data.val_path " + val_path);
-    if (in_val.value > largest.value) largest = in_val;
+    val_file = "data.val_path " + val_path;
     if (val.inputs.sizes().slice(1) != train.inputs.sizes().slice(1)) {
       throw UsageError("data.val_path: " + val_path + ": inputs of shape " +
                        c10::str(val.inputs.sizes()) + " do not match the training inputs " +
@@ -244,25 +242,64 @@ Dataset tensors_dataset(const Config& config) {
     const at::Tensor perm = at::randperm(n, gen, at::TensorOptions().dtype(at::kLong));
     val = rows(train, std::get<0>(perm.narrow(0, 0, n_val).sort()));
     train = rows(train, std::get<0>(perm.narrow(0, n_val, n - n_val).sort()));
+    val_file = "data.path " + path + " (held out by data.val_fraction)";
   }
+  // A sample's row in its file, for the messages.
+  auto row_of = [](const Split& split, int64_t i) {
+    return split.rows.defined() ? split.rows[i].item<int64_t>() : i;
+  };
   int64_t classes = config.get_int("data.num_classes");
-  std::string origin = "data.num_classes=" + std::to_string(classes);
+  std::string origin = "data.num_classes=" + std::to_string(classes) + " (" +
+                       config.origin("data.num_classes") + ")";
   if (classes == 0) {
+    // The training labels alone set the class count: a validation label
+    // beyond them is a class the model never trains on (or a typo), so it is
+    // an error, not a silently larger head.
+    const LargestLabel largest = largest_label(train.targets, "data.path " + path);
     classes = 1 + largest.value;
-    origin = "data.num_classes=0, so inferred from the labels: the largest is " +
-             std::to_string(largest.value) + " at index " + std::to_string(largest.index) +
-             " of " + largest.file + " (classes = largest label + 1); a wrong label is fixed in "
-             "that file, else set data.num_classes";
+    origin = std::to_string(classes) + ", inferred from the training labels (data.num_classes=0): "
+             "the largest is " + std::to_string(largest.value) + ", at index " +
+             std::to_string(row_of(train, largest.index)) + " of " + largest.file;
+    const at::Tensor beyond = (val.targets >= classes).nonzero();
+    if (beyond.numel() > 0) {
+      const int64_t i = beyond[0][0].item<int64_t>();
+      throw UsageError(val_file + ": label " + std::to_string(val.targets[i].item<int64_t>()) +
+                       " at index " + std::to_string(row_of(val, i)) +
+                       " is not among the training labels' classes 0 .. " + std::to_string(classes - 1) +
+                       " (data.num_classes=0 infers them from the training labels of data.path " + path +
+                       "); fix the label, or set data.num_classes=" +
+                       std::to_string(1 + val.targets.max().item<int64_t>()) +
+                       " if the training set lacks that class");
+    }
   }
   if (classes < 2) {
     throw UsageError("data.path: " + path + ": every label is 0; a classifier needs at least two "
                      "classes (or set data.num_classes)");
+  }
+  std::vector<std::string> warnings;
+  const at::Tensor absent = (at::bincount(train.targets, {}, classes) == 0).nonzero().flatten();
+  if (absent.numel() > 0) {
+    std::string list;
+    for (int64_t i = 0; i < std::min<int64_t>(absent.numel(), 10); ++i) {
+      list += (i ? ", " : "") + std::to_string(absent[i].item<int64_t>());
+    }
+    if (absent.numel() > 10) list += ", ... (" + std::to_string(absent.numel()) + " in all)";
+    const int64_t in_val = at::isin(val.targets, absent).sum().item<int64_t>();
+    warnings.push_back("data.path " + path + ": class" + (absent.numel() == 1 ? " " : "es ") + list +
+                       " of 0 .. " + std::to_string(classes - 1) + " ha" +
+                       (absent.numel() == 1 ? "s" : "ve") + " no training sample: the model keeps an "
+                       "output it never learns" +
+                       (in_val > 0 ? "; " + std::to_string(in_val) + " validation sample" +
+                                         (in_val == 1 ? " is" : "s are") + " of " +
+                                         (absent.numel() == 1 ? "it" : "them")
+                                   : std::string()));
   }
   Dataset d;
   d.train = std::move(train);
   d.test = std::move(val);
   d.num_classes = classes;
   d.num_classes_origin = std::move(origin);
+  d.warnings = std::move(warnings);
   d.input_shape = d.train.inputs.sizes().slice(1).vec();
   d.mean = config.get_float("data.mean");
   d.std = config.get_float("data.std");
@@ -535,9 +572,10 @@ Dataset load_dataset(const Config& config, const at::Device& device, const at::D
   } else {
     d.train = take_first(d.train, config.get_int("data.train_samples"));
     d.train = Split{d.train.inputs.to(train_device).contiguous(),
-                    d.train.targets.to(train_device).contiguous()};
+                    d.train.targets.to(train_device).contiguous(), d.train.rows};
   }
-  d.test = Split{d.test.inputs.to(device).contiguous(), d.test.targets.to(device).contiguous()};
+  d.test = Split{d.test.inputs.to(device).contiguous(), d.test.targets.to(device).contiguous(),
+                 d.test.rows};
   return d;
 }
 

@@ -22,6 +22,9 @@ namespace fusetrain::trainer {
 struct Split {
   at::Tensor inputs;
   at::Tensor targets;
+  /// Each sample's row in its file [N] int64, where a split took a subset
+  /// (data.val_fraction); undefined: sample i is row i.
+  at::Tensor rows = {};
   int64_t size() const { return inputs.size(0); }
 };
 
@@ -34,6 +37,8 @@ struct Dataset {
   /// disagrees with it: the config key that set it, the dataset that fixes
   /// it, or the largest label found in a file (with its index).
   std::string num_classes_origin;
+  /// What the run's header warns of (e.g. classes without a training sample).
+  std::vector<std::string> warnings;
   /// [C, H, W] for images, [T] for token windows.
   std::vector<int64_t> input_shape;
   bool is_tokens = false;

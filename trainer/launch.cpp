@@ -16,6 +16,13 @@
 #include <climits>  // PATH_MAX
 #include <cstring>
 #include <iostream>
+#include <algorithm>
+#include <vector>
+#include <string>
+#include <cctype>
+#include <thread>
+#include <sstream>
+#include <fstream>
 #include <map>
 #include <optional>
 
@@ -87,6 +94,72 @@ int available_cores() {
   return online > 0 ? static_cast<int>(online) : 1;
 }
 
+namespace {
+
+// Per CPU of this process's affinity mask: {busy, total} jiffies from
+// /proc/stat (busy: all but idle and iowait). Empty where it cannot be read.
+std::vector<std::pair<double, double>> cpu_jiffies() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  const bool masked = ::sched_getaffinity(0, sizeof(set), &set) == 0;
+  std::ifstream in("/proc/stat");
+  std::vector<std::pair<double, double>> out;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("cpu", 0) != 0 || line.size() < 4 || !std::isdigit(static_cast<unsigned char>(line[3]))) {
+      continue;
+    }
+    std::istringstream fields(line.substr(3));
+    int cpu = 0;
+    fields >> cpu;
+    double v = 0, total = 0, idle = 0;
+    for (int i = 0; fields >> v; ++i) {
+      if (i >= 8) break;  // guest time is already in user and nice
+      total += v;
+      if (i == 3 || i == 4) idle += v;  // idle, iowait
+    }
+    if (!masked || (cpu < CPU_SETSIZE && CPU_ISSET(cpu, &set))) out.emplace_back(total - idle, total);
+  }
+  return out;
+}
+
+}  // namespace
+
+double busy_cores(std::chrono::milliseconds window) {
+  const auto before = cpu_jiffies();
+  std::this_thread::sleep_for(window);
+  const auto after = cpu_jiffies();
+  if (before.empty() || before.size() != after.size()) return -1.0;
+  double busy = 0;
+  for (size_t i = 0; i < before.size(); ++i) {
+    const double total = after[i].second - before[i].second;
+    if (total > 0) busy += (after[i].first - before[i].first) / total;
+  }
+  return busy;
+}
+
+std::string thread_load_warning(int threads, int ranks, double busy) {
+  const int cores = available_cores();
+  const double free = std::max(0.0, cores - busy);
+  const int wanted = threads * ranks;
+  // Half a core of slack: a sample of a quarter second is noisy.
+  if (busy < 0 || wanted <= free + 0.5) return "";
+  const int fits = std::max(1, static_cast<int>(free / std::max(1, ranks)));
+  std::ostringstream out;
+  out.precision(2);
+  out << "other work keeps about " << busy << " of the " << cores << " cores busy, leaving fewer "
+      << "than the " << wanted << " intra-op thread" << (wanted == 1 ? "" : "s") << " of this run"
+      << (ranks > 1 ? " (" + std::to_string(ranks) + " processes)" : std::string()) << " need; on a "
+      << "busy machine fewer threads run faster (two on a busy 2-core machine ran 3.8x slower "
+      << "than one): ";
+  if (threads > fits) {
+    out << "--threads " << fits;
+  } else {
+    out << "--threads is already " << threads << "; fewer processes (--nproc) or a quieter machine";
+  }
+  return out.str();
+}
+
 int spawn_local_ranks(const std::vector<std::string>& args, const LaunchSpec& spec) {
   const std::string exe = self_exe();
   const int nproc = spec.nproc;
@@ -98,7 +171,10 @@ int spawn_local_ranks(const std::vector<std::string>& args, const LaunchSpec& sp
   const int port = store ? store->port() : spec.master_port;
   static const char* kOwned[] = {"RANK=",        "WORLD_SIZE=",  "LOCAL_RANK=",
                                  "LOCAL_WORLD_SIZE=", "MASTER_ADDR=", "MASTER_PORT=",
-                                 "TORCHELASTIC_USE_AGENT_STORE=", "GROUP_RANK="};
+                                 "TORCHELASTIC_USE_AGENT_STORE=", "GROUP_RANK=",
+                                 "FUSETRAIN_BUSY_CORES="};
+  // The machine's load before the ranks add theirs, for their header.
+  const double busy = busy_cores(std::chrono::milliseconds(250));
 
   // Everything exec needs is built before fork: the child may only call
   // async-signal-safe functions, and this process may already run threads.
@@ -123,6 +199,7 @@ int spawn_local_ranks(const std::vector<std::string>& args, const LaunchSpec& sp
     env_s[r].push_back("MASTER_ADDR=" + spec.master_addr);
     env_s[r].push_back("MASTER_PORT=" + std::to_string(port));
     env_s[r].push_back("TORCHELASTIC_USE_AGENT_STORE=True");
+    if (busy >= 0) env_s[r].push_back(std::string(kBusyCoresEnv) + "=" + std::to_string(busy));
     for (auto& e : env_s[r]) envp[r].push_back(e.data());
     envp[r].push_back(nullptr);
   }

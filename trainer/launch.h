@@ -49,6 +49,19 @@ bool stop_requested();
 /// CPUs this process may run on (its affinity mask).
 int available_cores();
 
+/// How many of those CPUs other work keeps busy: their busy share over
+/// `window` from /proc/stat, summed (this process sleeps meanwhile); -1 where
+/// it cannot be read.
+double busy_cores(std::chrono::milliseconds window);
+/// The warning for `ranks` processes of `threads` intra-op threads each on a
+/// machine where `busy` of the cores are taken by other work ("" when they
+/// fit): a busy machine runs fewer threads faster (two threads on a busy
+/// 2-core box ran 3.8x slower than one), so it names --threads.
+std::string thread_load_warning(int threads, int ranks, double busy);
+/// The environment variable through which the launcher passes busy_cores,
+/// measured before it starts the ranks, to them.
+inline constexpr const char* kBusyCoresEnv = "FUSETRAIN_BUSY_CORES";
+
 /// The data-parallel world of this process.
 class Distributed {
  public:

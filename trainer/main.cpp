@@ -28,6 +28,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
 #include <iostream>
 #include <optional>
 #include <unistd.h>
@@ -120,6 +121,13 @@ int run_info() {
             << "gloo: yes\n"
             << "CPU cores available: " << ft::available_cores() << "\n"
             << "intra-op threads: " << at::get_num_threads() << "\n";
+  const double busy = ft::busy_cores(std::chrono::milliseconds(250));
+  if (busy >= 0) {
+    std::cout << "CPU load from other work: about " << std::fixed << std::setprecision(1) << busy
+              << std::defaultfloat << " of " << ft::available_cores() << " cores busy (a 0.25 s sample)\n";
+    const std::string warning = ft::thread_load_warning(at::get_num_threads(), 1, busy);
+    if (!warning.empty()) std::cout << "warning: " << warning << "\n";
+  }
   const fusetrain::ops::CpuFeatures& cpu = fusetrain::ops::cpu_features();
   std::cout << "CPU: " << (cpu.model.empty() ? "unknown" : cpu.model) << "; vector path "
             << fusetrain::ops::cpu_path_name(fusetrain::ops::cpu_path()) << " (avx2 "

@@ -106,7 +106,10 @@ RunPlan plan_run(Config& config, const std::string& resume) {
   RunPlan plan;
   std::string run_dir = config.get_string("output.run_dir");
   if (resume == "auto") {
-    if (run_dir.empty()) run_dir = newest_run_dir(config.name().empty() ? "run" : config.name());
+    const std::string name = config.name().empty() ? "run" : config.name();
+    const bool given = !run_dir.empty();
+    if (!given) run_dir = newest_run_dir(name);
+    int64_t step = 0;
     if (!run_dir.empty()) {
       // The newest checkpoint that reads back whole (writes are atomic, but
       // a file may have been copied in torn).
@@ -115,11 +118,24 @@ RunPlan plan_run(Config& config, const std::string& resume) {
         try {
           read_checkpoint(it->second);
           plan.checkpoint = it->second;
+          step = it->first;
         } catch (const CheckpointError& e) {
           std::cerr << "fusetrain train: warning: skipping " << it->second << ": " << e.what()
                     << "\n";
         }
       }
+    }
+    const std::string which = given ? run_dir + " (output.run_dir)"
+                                     : run_dir + ", the newest run of config \"" + name + "\"";
+    if (!plan.checkpoint.empty()) {
+      plan.resume_note = "--resume auto: resuming " + which + " at step " + std::to_string(step) +
+                         " from " + plan.checkpoint;
+    } else if (!run_dir.empty()) {
+      plan.resume_note = "--resume auto: " + which + " has no checkpoint to resume from: training "
+                         "it from the start";
+    } else {
+      plan.resume_note = "--resume auto: no run of config \"" + name + "\" to resume (no runs/" +
+                         name + "-* directory here): starting a new one";
     }
   } else if (!resume.empty()) {
     if (!is_file(resume)) {
@@ -190,9 +206,11 @@ RunPlan agree_on_plan(Config& config, const std::string& resume, const Distribut
   if (!world.is_distributed()) return plan_run(config, resume);
   // Rank 0's plan, or its error, as "ok\nRUN_DIR\nCHECKPOINT" / "usage|checkpoint|error\nMESSAGE".
   std::string message;
+  std::string note;  // rank 0's, which alone says it
   if (world.rank() == 0) {
     try {
       const RunPlan plan = plan_run(config, resume);
+      note = plan.resume_note;
       message = "ok\n" + plan.run_dir + "\n" + plan.checkpoint;
     } catch (const UsageError& e) {
       message = std::string("usage\n") + e.what();
@@ -213,6 +231,7 @@ RunPlan agree_on_plan(Config& config, const std::string& resume, const Distribut
   RunPlan plan;
   plan.run_dir = rest.substr(0, rest.find('\n'));
   plan.checkpoint = rest.substr(plan.run_dir.size() + 1);
+  plan.resume_note = note;
   config.set("output.run_dir", plan.run_dir, "rank 0");
   // Every rank reads the checkpoint itself: the run directory must be on a
   // filesystem all hosts share.

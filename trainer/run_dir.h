@@ -37,6 +37,8 @@ struct RunPlan {
   std::string run_dir;
   /// Checkpoint to resume from ("" for a fresh start); already verified.
   std::string checkpoint;
+  /// What --resume auto found, for the first line of the run's output ("" without it).
+  std::string resume_note;
 };
 
 /// Resolves output.run_dir (a new runs/<config name>-<date>-<time> when

@@ -12,7 +12,9 @@
 #include <torch/csrc/jit/passes/autocast.h>
 #include <torch/csrc/jit/python/update_graph_executor_opt.h>
 #include <torch/library.h>
+#include <caffe2/serialize/inline_container.h>
 #include <torch/script.h>
+#include <torch/serialize.h>
 
 #include <unistd.h>
 
@@ -20,6 +22,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <iterator>
 #include <map>
 #include <set>
@@ -246,14 +249,78 @@ class TorchScriptImpl : public ModelImpl {
   std::string path_;
 };
 
+// What a file torch.jit.load refused is, when it is a torch.save archive
+// (a zip holding data.pkl and no TorchScript code): a state dict, a
+// fusetrain checkpoint, or another pickled object. "" for anything else.
+std::string torch_save_kind(const std::string& path) {
+  std::string pickle;  // data.pkl, whose class names say what was saved
+  try {
+    caffe2::serialize::PyTorchStreamReader reader(path);
+    if (!reader.hasRecord("data.pkl") || reader.hasRecord("constants.pkl")) return "";
+    const auto [data, size] = reader.getRecord("data.pkl");
+    pickle.assign(static_cast<const char*>(data.get()), size);
+  } catch (const std::exception&) {
+    return "";  // not a zip archive
+  }
+  const std::string saved = "a file written by torch.save";
+  const std::string state_dict =
+      "a state dict (torch.save(model.state_dict())): the weights without the code that uses them";
+  torch::IValue value;
+  try {
+    std::ifstream in(path, std::ios::binary);
+    const std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    value = torch::pickle_load(bytes);
+  } catch (const std::exception&) {
+    // torch's C++ unpickler reads no OrderedDict (what state_dict() returns)
+    // and no Python class: tell them apart by the classes the pickle names.
+    if (pickle.find("torch.nn.modules") != std::string::npos) {
+      return saved + " (a pickled module, torch.save(model): its Python classes are not in the file)";
+    }
+    if (pickle.find("OrderedDict") != std::string::npos &&
+        pickle.find("_rebuild_tensor") != std::string::npos) {
+      return state_dict;
+    }
+    return saved + " (a pickled Python object)";
+  }
+  if (!value.isGenericDict()) return saved;
+  bool all_tensors = true;
+  for (const auto& item : value.toGenericDict()) {
+    if (item.key().isString() && item.key().toStringRef() == "meta.format") {
+      return "a fusetrain checkpoint (fusetrain export --checkpoint " + path +
+             " --torchscript OUT.pt writes its model as a module; --resume continues it)";
+    }
+    all_tensors = all_tensors && item.value().isTensor();
+  }
+  return all_tensors ? state_dict : saved + " (a dict)";
+}
+
 torch::jit::Module load_module(const std::string& path) {
   try {
     return torch::jit::load(path);
   } catch (const c10::Error& e) {
+    const std::string kind = torch_save_kind(path);
+    if (!kind.empty()) {
+      throw UsageError("model.path: " + path + " is " + kind + ", not a TorchScript module; "
+                       "save the module itself with torch.jit.save(torch.jit.script(model), path)");
+    }
     throw UsageError("model.path: " + path + " is not a TorchScript module that torch.jit.load "
                      "reads (save one with torch.jit.save(torch.jit.script(model), path)): " +
                      e.what_without_backtrace());
   }
+}
+
+// The line that says what failed in an error from a TorchScript forward
+// (whose message is the interpreter's traceback, then the error): the last
+// "...Error: " line, else the first line.
+std::string error_line(const std::string& what) {
+  std::istringstream lines(what);
+  std::string line, first, last;
+  while (std::getline(lines, line)) {
+    if (first.empty() && !line.empty()) first = line;
+    const auto at = line.find("Error: ");
+    if (at != std::string::npos) last = line.substr(at + 7);
+  }
+  return last.empty() ? first : last;
 }
 
 }  // namespace
@@ -285,10 +352,26 @@ Model load_torchscript_model(const Config& config, const Dataset& data) {
       y = model->forward(x);
     } catch (const UsageError&) {
       throw;
+    } catch (const c10::Error& e) {
+      const std::string cause = error_line(e.what_without_backtrace());
+      // A first Linear layer of another width: "mat1 and mat2 shapes cannot
+      // be multiplied (2x20 and 784x128)" says both widths.
+      long rows = 0, data_width = 0, layer_width = 0, out = 0;
+      const auto shapes = cause.find("cannot be multiplied (");
+      if (shapes != std::string::npos &&
+          std::sscanf(cause.c_str() + shapes, "cannot be multiplied (%ldx%ld and %ldx%ld)", &rows,
+                      &data_width, &layer_width, &out) == 4) {
+        throw UsageError("model.path: " + path + ": the model's layer takes inputs of width " +
+                         std::to_string(layer_width) + ", the data's are " +
+                         std::to_string(data_width) + " wide (inputs " + input + " from data.name=" +
+                         config.get_string("data.name") + "): " + cause);
+      }
+      throw UsageError("model.path: " + path + ": forward(x) with a batch x of " + input +
+                       " (as data.name=" + config.get_string("data.name") + " gives) raised: " + cause);
     } catch (const std::exception& e) {
       throw UsageError("model.path: " + path + ": forward(x) with a batch x of " + input +
                        " (as data.name=" + config.get_string("data.name") +
-                       " gives) raised: " + e.what());
+                       " gives) raised: " + error_line(e.what()));
     }
     model->train();
   }

@@ -51,6 +51,8 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
+#include <limits>
 #include <cstdio>
 #include <mutex>
 
@@ -149,7 +151,9 @@ class Trainer {
   /// Steps [first, first + n): one fused execution when K > 1.
   void run_steps(int64_t first, int64_t n);
   void prepare_fused_steps(int64_t k);
-  void clip_gradients();
+  /// Clips the gradients to train.clip_grad_norm; returns their norm (of the
+  /// unscaled gradients), undefined when there are none.
+  at::Tensor clip_gradients();
   void log_window(int64_t step);
   /// Evaluates and writes an eval record; at an epoch's end (else for
   /// train.eval_every) also closes the epoch's training statistics.
@@ -185,6 +189,38 @@ class Trainer {
   int64_t ema_start_ = 0;
   EvalResult last_ema_eval_;
 
+  // Note [Non-finite steps]
+  // train.nonfinite (error, skip, ignore). A step is non-finite when its loss
+  // is, on any rank, or (without loss scaling) its gradients' norm is; under
+  // float16 loss scaling a non-finite gradient is the scaler's overflow, and
+  // the scaler skips it as torch's does. error and skip both skip such a
+  // step on the device, through the same found_inf flag the scaler's steps
+  // use (the optimizer's state and the weights unchanged; skip also puts the
+  // model's buffers, batch-norm statistics, back): nothing is read on the
+  // host per step. The count and the first such step ride in the stop
+  // flags allreduced at each host synchronisation point, so error stops at
+  // the first of those after the step, before any evaluation or checkpoint:
+  // the newest checkpoint is the last good one.
+  enum class NonFinite { kError, kSkip, kIgnore };
+  NonFinite nonfinite_mode_ = NonFinite::kError;
+  bool checks_nonfinite() const { return nonfinite_mode_ != NonFinite::kIgnore; }
+  /// float64 on the device: [non-finite steps, -(the first one), -(the first
+  /// whose loss was non-finite on this rank)], -inf where there is none.
+  at::Tensor nonfinite_;
+  /// The agreed count of non-finite steps at the latest sync point, and the
+  /// count the latest log line reported.
+  int64_t nonfinite_steps_ = 0;
+  int64_t nonfinite_logged_ = 0;
+  /// skip: the model's buffers, put back after a skipped step.
+  std::vector<at::Tensor> buffers_;
+  /// The gradients' L2 norm (undefined when there are none).
+  at::Tensor grad_norm() const;
+  /// error: says what went wrong at `step` (0-based) on rank 0 and returns
+  /// the exit code every rank returns.
+  int fail_nonfinite(int64_t step);
+  /// Where training sample `i` is in its file (data.path).
+  std::string sample_names(const at::Tensor& index) const;
+
   Config config_;
   RunPlan plan_;
   const Distributed& world_;
@@ -219,6 +255,7 @@ class Trainer {
   int64_t skipped_before_ = 0;
   std::vector<at::Tensor> trainable_;
   // Device-side accumulators, read only at host synchronisation points.
+  // The losses: [sum, steps counted] (a non-finite loss is not counted).
   at::Tensor window_loss_;
   at::Tensor epoch_loss_;
   at::Tensor skipped_;
@@ -330,9 +367,18 @@ void Trainer::build() {
                          data_seed, data_device));
 
   const auto acc = at::TensorOptions().dtype(at::kFloat).device(device_);
-  window_loss_ = at::zeros({1}, acc);
-  epoch_loss_ = at::zeros({1}, acc);
+  window_loss_ = at::zeros({2}, acc);
+  epoch_loss_ = at::zeros({2}, acc);
   skipped_ = at::zeros({1}, acc);
+  const std::string& nonfinite = config_.get_string("train.nonfinite");
+  nonfinite_mode_ = nonfinite == "skip"     ? NonFinite::kSkip
+                    : nonfinite == "ignore" ? NonFinite::kIgnore
+                                            : NonFinite::kError;
+  const double none = -std::numeric_limits<double>::infinity();
+  nonfinite_ = at::tensor({0.0, none, none}, at::kDouble).to(device_);
+  if (nonfinite_mode_ == NonFinite::kSkip) {
+    for (const auto& b : model_->buffers()) buffers_.push_back(b);
+  }
 }
 
 // ------------------------------------------------------------------ checkpoints
@@ -483,19 +529,27 @@ void Trainer::shard_optimizer(bool gradients) {
   optimizer_ = std::move(zero);
 }
 
-void Trainer::clip_gradients() {
-  // The norm is of the true gradients: unscale first when scaling.
-  if (scaler_->is_enabled()) scaler_->unscale_(*optimizer_);
+at::Tensor Trainer::grad_norm() const {
   std::vector<at::Tensor> grads;
   for (const auto& p : trainable_) {
     if (p.grad().defined()) grads.push_back(p.grad());
   }
-  if (grads.empty()) return;
-  const at::Tensor norm = std::get<0>(ops::multi_tensor_l2norm(grads));
+  if (grads.empty()) return {};
+  return std::get<0>(ops::multi_tensor_l2norm(grads));
+}
+
+at::Tensor Trainer::clip_gradients() {
+  // The norm is of the true gradients: unscale first when scaling.
+  if (scaler_->is_enabled()) scaler_->unscale_(*optimizer_);
+  const at::Tensor norm = grad_norm();
+  if (!norm.defined()) return norm;
   // No host sync: the coefficient stays on the device. An inf norm gives 0,
-  // and a scaled step with inf gradients is skipped anyway.
+  // and a step with non-finite gradients is skipped anyway.
   const at::Tensor coef = (config_.get_float("train.clip_grad_norm") / (norm + 1e-6)).clamp_max(1.0);
-  for (auto& g : grads) g.mul_(coef);
+  for (const auto& p : trainable_) {
+    if (p.grad().defined()) p.grad().mul_(coef);
+  }
+  return norm;
 }
 
 std::vector<at::Tensor> Trainer::step_batch(int64_t step) {
@@ -526,6 +580,12 @@ std::vector<at::Tensor> Trainer::step_batch(int64_t step) {
   // A fill kernel on the device, not a copy from the host.
   batch.push_back(at::scalar_tensor(lr_at(step), at::TensorOptions().dtype(at::kDouble).device(device_)));
   batch.push_back(scalar_entry(step));
+  if (checks_nonfinite()) {
+    // The step on the device too, for the non-finite record (a CUDA graph
+    // replays host values as captured).
+    batch.push_back(at::scalar_tensor(static_cast<double>(step),
+                                      at::TensorOptions().dtype(at::kDouble).device(device_)));
+  }
   return batch;
 }
 
@@ -540,6 +600,10 @@ std::vector<at::Tensor> Trainer::sample_batch() {
   }
   batch.push_back(at::scalar_tensor(0.0, at::TensorOptions().dtype(at::kDouble).device(device_)));
   batch.push_back(scalar_entry(step_));
+  if (checks_nonfinite()) {
+    batch.push_back(at::scalar_tensor(static_cast<double>(step_),
+                                      at::TensorOptions().dtype(at::kDouble).device(device_)));
+  }
   return batch;
 }
 
@@ -557,6 +621,9 @@ at::Tensor Trainer::step_body(const std::vector<at::Tensor>& batch) {
     reseed(step);
   }
   optimizer_->zero_grad(/*set_to_none=*/true);
+  std::vector<at::Tensor> kept;  // skip: the buffers before this step's forwards
+  kept.reserve(buffers_.size());
+  for (const auto& b : buffers_) kept.push_back(b.detach().clone());
   at::Tensor step_loss = at::zeros({1}, window_loss_.options());
   for (int64_t m = 0; m < accum; ++m) {
     at::Tensor x, y;
@@ -580,11 +647,48 @@ at::Tensor Trainer::step_body(const std::vector<at::Tensor>& batch) {
     scaled.backward();
     step_loss.add_(loss.detach().reshape({1}), 1.0 / static_cast<double>(accum));
   }
-  window_loss_.add_(step_loss);
-  epoch_loss_.add_(step_loss);
   // (A sharded optimizer clips in its step, from the global norm of the shards.)
-  if (config_.get_float("train.clip_grad_norm") > 0 && zero_ == nullptr) clip_gradients();
-  scaler_->step(*optimizer_);
+  at::Tensor norm;
+  if (config_.get_float("train.clip_grad_norm") > 0 && zero_ == nullptr) norm = clip_gradients();
+  if (!checks_nonfinite()) {
+    window_loss_.narrow(0, 0, 1).add_(step_loss);
+    window_loss_.narrow(0, 1, 1).add_(1);
+    epoch_loss_.narrow(0, 0, 1).add_(step_loss);
+    epoch_loss_.narrow(0, 1, 1).add_(1);
+    scaler_->step(*optimizer_);
+  } else {
+    // Note [Non-finite steps]
+    const at::Tensor loss_bad = step_loss.isfinite().logical_not();
+    at::Tensor bad = loss_bad;
+    const at::Tensor counted = at::cat({step_loss.masked_fill(loss_bad, 0), loss_bad.logical_not()});
+    window_loss_.add_(counted);
+    epoch_loss_.add_(counted);
+    if (scaler_->is_enabled()) {
+      scaler_->step(*optimizer_);  // a non-finite loss makes non-finite gradients: found_inf
+    } else {
+      if (!norm.defined()) norm = grad_norm();
+      if (norm.defined()) bad = bad.logical_or(norm.isfinite().logical_not().reshape({1}));
+      struct Clear {
+        optim::FusedOptimizer* opt;
+        ~Clear() { opt->set_amp_scaling(std::nullopt, std::nullopt); }
+      } clear{optimizer_.get()};
+      optimizer_->set_amp_scaling(std::nullopt, bad.to(at::kFloat));
+      scaler_->step(*optimizer_);
+    }
+    const at::Tensor minus_step = batch[lr_slot + 2].reshape({1}).neg();
+    const double none = -std::numeric_limits<double>::infinity();
+    nonfinite_.narrow(0, 0, 1).add_(bad);
+    auto keep_first = [&](int64_t slot, const at::Tensor& flag) {
+      at::Tensor first = nonfinite_.narrow(0, slot, 1);
+      first.copy_(at::maximum(first, at::where(flag, minus_step, none)));
+    };
+    keep_first(1, bad);
+    keep_first(2, loss_bad);
+    const at::Tensor skipped = bad.reshape({});
+    for (size_t i = 0; i < buffers_.size(); ++i) {
+      buffers_[i].detach().copy_(at::where(skipped, kept[i], buffers_[i].detach()));
+    }
+  }
   if (scaler_->is_enabled()) skipped_.add_(scaler_->found_inf().ne(0).reshape({1}));
   scaler_->update();
   update_ema();
@@ -662,6 +766,79 @@ void Trainer::run_steps(int64_t first, int64_t n) {
   fused_->run(batches);
 }
 
+// ------------------------------------------------------------------ non-finite steps
+
+std::string Trainer::sample_names(const at::Tensor& index) const {
+  const at::Tensor rows = data_.train.rows.defined()
+                              ? data_.train.rows.index_select(0, index.to(data_.train.rows.device()))
+                              : index;
+  const at::Tensor host = rows.to(at::kCPU, at::kLong).contiguous();
+  const int64_t n = host.numel();
+  const int64_t* v = host.const_data_ptr<int64_t>();
+  constexpr int64_t kShown = 8;
+  std::string list;
+  for (int64_t i = 0; i < std::min(n, kShown); ++i) list += (i ? ", " : "") + std::to_string(v[i]);
+  if (n > kShown) list += fmt::format(", ... ({} in all)", n);
+  const std::string what = data_.is_tokens ? (n == 1 ? "the window at token" : "the windows at tokens")
+                                           : (n == 1 ? "sample" : "samples");
+  const std::string& path = config_.get_string("data.path");
+  return fmt::format("{} {} of {}", what, list,
+                     config_.get_string("data.name") == "synthetic" || path.empty() ? data_.description
+                                                                                     : path);
+}
+
+int Trainer::fail_nonfinite(int64_t step) {
+  loader_.reset();  // its thread uses the sampler asked below
+  const int64_t epoch = step / steps_per_epoch_;
+  const int64_t in_epoch = step % steps_per_epoch_;
+  const at::Tensor mine = nonfinite_.cpu();
+  const double first_loss = mine[2].item<double>();
+  std::string report;
+  if (std::isfinite(first_loss) && static_cast<int64_t>(-first_loss) == step) {
+    std::vector<at::Tensor> parts;
+    for (int64_t m = 0; m < config_.get_int("train.grad_accum"); ++m) {
+      parts.push_back(sampler_->indices(epoch, in_epoch, m).to(at::kCPU));
+    }
+    const at::Tensor index = at::cat(parts);
+    report = fmt::format("the loss on rank {} was not finite; its batch is {}", world_.rank(),
+                         sample_names(index));
+    const at::Tensor x = data_.train.inputs.index_select(0, index.to(data_.train.inputs.device()));
+    if (at::isFloatingType(x.scalar_type())) {
+      const at::Tensor bad_rows = x.isfinite().logical_not().flatten(1).any(1).to(at::kCPU);
+      const at::Tensor culprits = index.masked_select(bad_rows);
+      report += culprits.numel() > 0
+                    ? fmt::format("; the cause: the inputs of {} hold NaN or inf", sample_names(culprits))
+                    : std::string("; its inputs are finite, so the forward overflowed (a learning "
+                                  "rate too high? float16 without loss scaling?)");
+    }
+  }
+  const std::vector<std::string> reports = world_.allgather_text(report);
+  if (rank0_) {
+    std::string why;
+    for (const auto& r : reports) {
+      if (!r.empty()) why += "; " + r;
+    }
+    if (why.empty()) {
+      why = "; the losses were finite, the gradients were not (an overflow in the backward: a "
+            "lower optimizer.lr or train.clip_grad_norm may help)";
+    }
+    const std::string newest =
+        !last_checkpoint_.empty()   ? "the newest checkpoint is " + last_checkpoint_
+        : !plan_.checkpoint.empty() ? "the newest checkpoint is " + plan_.checkpoint + ", resumed from"
+                                    : "no checkpoint was written";
+    if (progress_->is_bar()) progress_->line("");
+    std::cerr << fmt::format(
+                     "fusetrain train: error: a non-finite loss or gradient norm at step {} of {} "
+                     "(epoch {}, batch {} of {}){}. Stopped at step {} with no checkpoint written "
+                     "after the step before it; {}. train.nonfinite=skip skips such steps instead, "
+                     "ignore trains on.",
+                     step + 1, total_steps_, epoch + 1, in_epoch + 1, steps_per_epoch_, why, step_, newest)
+              << std::endl;
+  }
+  world_.barrier();
+  return 1;
+}
+
 // ------------------------------------------------------------------ metrics
 
 void Trainer::open_metrics() {
@@ -687,19 +864,30 @@ double Trainer::elapsed_s() const {
 void Trainer::log_window(int64_t step) {
   const at::Tensor sum = window_loss_.clone();
   world_.allreduce_sum_(sum);
-  const double loss = sum.item<double>() / static_cast<double>(window_steps_ * world_.world_size());
+  const at::Tensor host_sum = sum.cpu();
+  const double loss = host_sum[0].item<double>() / std::max(1.0, host_sum[1].item<double>());
   const double rate = static_cast<double>(window_steps_ * config_.get_int("data.batch_size")) /
                       std::max(1e-9, window_seconds_);
   const double lr = lr_at(step - 1);
   const double scale = scaler_->get_scale();
   const int64_t skipped = skipped_before_ + static_cast<int64_t>(skipped_.item<float>());
   const int64_t epoch = (step - 1) / steps_per_epoch_ + 1;
-  write_metrics(Record{{"kind", "train"}, {"step", step}, {"epoch", epoch}, {"loss", loss},
-                       {"lr", lr}, {"scale", scale}, {"skipped", skipped},
-                       {"samples_per_s", rate}, {"accuracy", nullptr}, {"time_s", elapsed_s()}});
+  Record record{{"kind", "train"}, {"step", step}, {"epoch", epoch}, {"loss", loss},
+                {"lr", lr}, {"scale", scale}, {"skipped", skipped},
+                {"samples_per_s", rate}, {"accuracy", nullptr}, {"time_s", elapsed_s()}};
+  if (nonfinite_mode_ == NonFinite::kSkip) record["nonfinite"] = nonfinite_steps_;
+  write_metrics(record);
+  const std::string nonfinite =
+      nonfinite_steps_ > nonfinite_logged_
+          ? fmt::format("  ({} non-finite step{} skipped, {} in all)", nonfinite_steps_ - nonfinite_logged_,
+                        nonfinite_steps_ - nonfinite_logged_ == 1 ? "" : "s", nonfinite_steps_)
+          : "";
+  nonfinite_logged_ = nonfinite_steps_;
   if (rank0_ && !progress_->is_bar()) {
-    say(fmt::format("  step {}/{}  loss {:.4f}  lr {:.3g}  {:.0f} samples/s", step, total_steps_, loss,
-                    lr, rate));
+    say(fmt::format("  step {}/{}  loss {:.4f}  lr {:.3g}  {:.0f} samples/s{}", step, total_steps_, loss,
+                    lr, rate, nonfinite));
+  } else if (!nonfinite.empty()) {
+    say(fmt::format("  step {}/{}:{}", step, total_steps_, nonfinite));
   }
   window_loss_.zero_();
   window_steps_ = 0;
@@ -720,7 +908,8 @@ void Trainer::add_validation(Record& record) const {
 void Trainer::end_epoch(int64_t step, bool epoch_end) {
   const at::Tensor sum = epoch_loss_.clone();
   world_.allreduce_sum_(sum);
-  const double loss = sum.item<double>() / static_cast<double>(std::max<int64_t>(1, epoch_steps_) * world_.world_size());
+  const at::Tensor host_sum = sum.cpu();
+  const double loss = host_sum[0].item<double>() / std::max(1.0, host_sum[1].item<double>());
   const double rate = static_cast<double>(epoch_steps_ * config_.get_int("data.batch_size")) /
                       std::max(1e-9, epoch_seconds_);
   last_eval_ = evaluate(*model_, data_.test, world_, policy_, device_.type(),
@@ -750,6 +939,7 @@ void Trainer::end_epoch(int64_t step, bool epoch_end) {
   Record record{{"kind", "eval"}, {"step", step}, {"epoch", epoch}, {"loss", loss}, {"lr", lr},
                 {"scale", scale}, {"skipped", skipped}, {"samples_per_s", rate},
                 {"accuracy", last_eval_.accuracy}, {"test_loss", last_eval_.loss}};
+  if (nonfinite_mode_ == NonFinite::kSkip) record["nonfinite"] = nonfinite_steps_;
   add_validation(record);
   if (!ema_.empty()) {
     if (!data_.is_tokens) record["ema_accuracy"] = last_ema_eval_.accuracy;
@@ -770,6 +960,7 @@ int Trainer::run() {
   install_stop_handlers();
   const std::string& mode = config_.get_string("output.progress");
   progress_ = std::make_unique<Progress>(mode == "bar" || (mode == "auto" && ::isatty(STDOUT_FILENO)));
+  if (!plan_.resume_note.empty()) say(plan_.resume_note);
   build();
   if (!plan_.checkpoint.empty()) restore(plan_.checkpoint);
   start_step_ = step_;
@@ -803,6 +994,8 @@ int Trainer::run() {
                   config_.get_string("model.name"), count_parameters(model_),
                   model_->channels_last() ? ", channels_last" : "", data_.description,
                   data_.train.size(), data_.test.size()));
+  if (!data_.is_tokens) say("  classes: " + data_.num_classes_origin);
+  for (const auto& warning : data_.warnings) say("  warning: " + warning);
   const int world = world_.world_size();
   const int threads = at::get_num_threads();
   const int64_t accum = config_.get_int("train.grad_accum");
@@ -821,6 +1014,18 @@ int Trainer::run() {
                   threads == 1 ? "" : "s", policy_.name(), config_.get_string("optimizer.name"), batch,
                   batch / world, accum > 1 ? fmt::format(", {} micro-batches", accum) : "", epochs,
                   epochs == 1 ? "" : "s", total_steps_));
+  if (rank0_ && device_.is_cpu()) {
+    // The machine's load from other work: measured by the launcher before it
+    // started the ranks, or here by a single process (idle meanwhile).
+    const char* measured = std::getenv(kBusyCoresEnv);
+    const double busy = measured != nullptr          ? std::atof(measured)
+                        : !world_.is_distributed() ? busy_cores(std::chrono::milliseconds(250))
+                                                   : -1.0;
+    const char* local = std::getenv("LOCAL_WORLD_SIZE");
+    const int ranks_here = local != nullptr ? std::max(1, std::atoi(local)) : world;
+    const std::string warning = thread_load_warning(threads, ranks_here, busy);
+    if (!warning.empty()) say("  warning: " + warning);
+  }
   if (start_step_ > 0) {
     say(fmt::format("  resumed from {} at step {} (epoch {}, batch {})", plan_.checkpoint, start_step_,
                     start_step_ / steps_per_epoch_ + 1, start_step_ % steps_per_epoch_));
@@ -850,8 +1055,9 @@ int Trainer::run() {
   // [interrupted, out of time, cost of a stop check (s), time per step (s)],
   // the largest over the ranks: every rank stops, and sets the cadence of
   // the stop checks, at the same step.
+  // Then the non-finite steps' count and -(the first), Note [Non-finite steps].
   const at::Tensor stop_flags =
-      at::zeros({4}, at::TensorOptions().dtype(at::kFloat).device(device_));
+      at::zeros({6}, at::TensorOptions().dtype(at::kDouble).device(device_));
   bool out_of_time = false;
   prepare_fused_steps(k);
   while (step_ < total_steps_) {
@@ -883,12 +1089,17 @@ int Trainer::run() {
     epoch_seconds_ += elapsed;
 
     const double step_s = elapsed / static_cast<double>(segment_steps_);
-    stop_flags.copy_(at::tensor({stop_requested() ? 1.0F : 0.0F,
-                                 max_time > 0 && elapsed_s() >= max_time ? 1.0F : 0.0F,
-                                 static_cast<float>(check_cost()), static_cast<float>(step_s)}));
+    stop_flags.narrow(0, 0, 4).copy_(at::tensor({stop_requested() ? 1.0 : 0.0,
+                                                 max_time > 0 && elapsed_s() >= max_time ? 1.0 : 0.0,
+                                                 check_cost(), step_s}));
+    stop_flags.narrow(0, 4, 2).copy_(nonfinite_.narrow(0, 0, 2));
     world_.allreduce_max_(stop_flags);
     const at::Tensor flags = stop_flags.cpu();
-    const float* agreed = flags.const_data_ptr<float>();
+    const double* agreed = flags.const_data_ptr<double>();
+    nonfinite_steps_ = static_cast<int64_t>(agreed[4]);
+    if (nonfinite_mode_ == NonFinite::kError && std::isfinite(agreed[5])) {
+      return fail_nonfinite(static_cast<int64_t>(-agreed[5]));
+    }
     const bool stop = agreed[0] > 0;
     out_of_time = agreed[1] > 0 && step_ < total_steps_;
     agreed_check_s_ = agreed[2];
@@ -902,7 +1113,7 @@ int Trainer::run() {
       const double rate = static_cast<double>(epoch_steps_ * batch) / std::max(1e-9, epoch_seconds_);
       const double eta = static_cast<double>((steps_per_epoch_ - in_epoch) * batch) / std::max(1.0, rate);
       progress_->bar(bar_text((step_ - 1) / steps_per_epoch_ + 1, epochs, in_epoch, steps_per_epoch_,
-                              epoch_loss_.item<float>() / static_cast<double>(std::max<int64_t>(1, epoch_steps_)),
+                              epoch_loss_[0].item<double>() / std::max(1.0, epoch_loss_[1].item<double>()),
                               rate, eta),
                      epoch_end);
     }

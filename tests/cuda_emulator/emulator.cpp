@@ -281,7 +281,10 @@ std::string lanes_text(unsigned lanes) {
     if (!((lanes >> l) & 1u)) continue;
     int r = l;
     while (r + 1 < kWarpSize && ((lanes >> (r + 1)) & 1u)) ++r;
-    s += (s.empty() ? "" : ",") + (r == l ? std::to_string(l) : format("%d-%d", l, r));
+    // Appended piece by piece: GCC 12 at C++20 warns (-Wrestrict, a false
+    // positive) on the temporary `const char* + std::string`.
+    if (!s.empty()) s += ',';
+    s += r == l ? std::to_string(l) : format("%d-%d", l, r);
     l = r;
   }
   return s.empty() ? "none" : s;
