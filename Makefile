@@ -19,7 +19,7 @@ PYTHON ?= $(CURDIR)/$(VENV)/bin/python
 JOBS ?= $(shell nproc)
 CMAKE_ARGS ?=
 
-.PHONY: deps configure build test test-quick kernel-mutants train bench docs gpu-check gpu-deps clean format
+.PHONY: deps configure build test test-quick kernel-mutants train bench docs reference gpu-check gpu-deps clean format
 
 deps:
 	@scripts/install-deps.sh
@@ -56,6 +56,13 @@ bench: build
 # trainer's --print-schema and the C++ headers, so it needs the build first.
 docs: build
 	FUSETRAIN_BUILD_DIR=$(abspath $(BUILD)) $(PYTHON) -m sphinx -W --keep-going -q -b html docs $(BUILD)/docs/html
+
+# The committed reference pages, docs/reference/{config,cpp,python}.md, rewritten
+# from the build's `fusetrain train --print-schema`, the C++ headers and the
+# package's docstrings (docs/_ext/fusetrain_docs.py; --check only reports).
+# tests/python/test_docs.py fails while they differ from what this writes.
+reference: build
+	FUSETRAIN_BUILD_DIR=$(abspath $(BUILD)) $(PYTHON) docs/_ext/fusetrain_docs.py
 
 # On the GPU box (torch, nvcc, cmake there; no apt): PYTHON=python3 is its torch.
 gpu-check:

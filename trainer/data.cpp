@@ -257,7 +257,7 @@ Dataset tensors_dataset(const Config& config) {
     // an error, not a silently larger head.
     const LargestLabel largest = largest_label(train.targets, "data.path " + path);
     classes = 1 + largest.value;
-    origin = std::to_string(classes) + ", inferred from the training labels (data.num_classes=0): "
+    origin = "inferred from the training labels (data.num_classes=0): "
              "the largest is " + std::to_string(largest.value) + ", at index " +
              std::to_string(row_of(train, largest.index)) + " of " + largest.file;
     const at::Tensor beyond = (val.targets >= classes).nonzero();

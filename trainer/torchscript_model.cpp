@@ -300,8 +300,8 @@ torch::jit::Module load_module(const std::string& path) {
   } catch (const c10::Error& e) {
     const std::string kind = torch_save_kind(path);
     if (!kind.empty()) {
-      throw UsageError("model.path: " + path + " is " + kind + ", not a TorchScript module; "
-                       "save the module itself with torch.jit.save(torch.jit.script(model), path)");
+      throw UsageError("model.path: " + path + " is not a TorchScript module but " + kind +
+                       "; save the module itself with torch.jit.save(torch.jit.script(model), path)");
     }
     throw UsageError("model.path: " + path + " is not a TorchScript module that torch.jit.load "
                      "reads (save one with torch.jit.save(torch.jit.script(model), path)): " +
@@ -361,10 +361,10 @@ Model load_torchscript_model(const Config& config, const Dataset& data) {
       if (shapes != std::string::npos &&
           std::sscanf(cause.c_str() + shapes, "cannot be multiplied (%ldx%ld and %ldx%ld)", &rows,
                       &data_width, &layer_width, &out) == 4) {
-        throw UsageError("model.path: " + path + ": the model's layer takes inputs of width " +
-                         std::to_string(layer_width) + ", the data's are " +
-                         std::to_string(data_width) + " wide (inputs " + input + " from data.name=" +
-                         config.get_string("data.name") + "): " + cause);
+        throw UsageError("model.path: " + path + ": forward(x) with a batch x of " + input +
+                         " (as data.name=" + config.get_string("data.name") + " gives) raised: a "
+                         "layer takes inputs of width " + std::to_string(layer_width) +
+                         " and was given width " + std::to_string(data_width) + " (" + cause + ")");
       }
       throw UsageError("model.path: " + path + ": forward(x) with a batch x of " + input +
                        " (as data.name=" + config.get_string("data.name") + " gives) raised: " + cause);
@@ -390,7 +390,7 @@ Model load_torchscript_model(const Config& config, const Dataset& data) {
                      (classes_differ && !data.num_classes_origin.empty()
                           ? ". Its " + std::to_string(data.num_classes) + " " +
                                 (data.is_tokens ? "vocabulary entries" : "classes") +
-                                " come from " + data.num_classes_origin
+                                ": " + data.num_classes_origin
                           : std::string()));
   }
   return model;

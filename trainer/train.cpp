@@ -994,7 +994,7 @@ int Trainer::run() {
                   config_.get_string("model.name"), count_parameters(model_),
                   model_->channels_last() ? ", channels_last" : "", data_.description,
                   data_.train.size(), data_.test.size()));
-  if (!data_.is_tokens) say("  classes: " + data_.num_classes_origin);
+  if (!data_.is_tokens) say(fmt::format("  classes: {}, {}", data_.num_classes, data_.num_classes_origin));
   for (const auto& warning : data_.warnings) say("  warning: " + warning);
   const int world = world_.world_size();
   const int threads = at::get_num_threads();

@@ -604,6 +604,21 @@ class DoneWork : public c10d::Work {
 
 // ------------------------------------------------------------- the backend
 
+// ReduceOp.AVG of an integer tensor, which gloo refuses with "result type
+// Float can't be cast to the desired output type Long" once the sum is in:
+// refused before any rank sends anything, saying what to do instead.
+void check_average(const char* collective, const std::vector<at::Tensor>& tensors,
+                   const c10d::ReduceOp& op) {
+  if (op.op_ != c10d::ReduceOp::AVG) return;
+  for (const auto& t : tensors) {
+    TORCH_CHECK_VALUE(!t.defined() || at::isFloatingType(t.scalar_type()) || at::isComplexType(t.scalar_type()),
+                      collective, " with ReduceOp.AVG of a ", t.scalar_type(), " tensor: the fusetrain "
+                      "backend, like gloo, averages floating-point tensors only; reduce with "
+                      "ReduceOp.SUM and divide by the group's size (Lightning's fusetrain_ddp "
+                      "strategies do so for self.log(..., sync_dist=True))");
+  }
+}
+
 class SharedMemoryBackend final : public c10d::Backend {
  public:
   SharedMemoryBackend(int rank, int size, std::unique_ptr<Segment> segment,
@@ -617,6 +632,7 @@ class SharedMemoryBackend final : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override {
+    check_average("all_reduce", tensors, opts.reduceOp);
     if (!supported(tensors, opts)) return gloo_->allreduce(tensors, opts);
     return run(c10d::OpType::ALLREDUCE, tensors, [&] {
       at::Tensor& t = tensors.front();
@@ -686,6 +702,7 @@ class SharedMemoryBackend final : public c10d::Backend {
   // ranks in rank order (the allreduce's bits). `out` may be in's own piece.
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
       at::Tensor& out, at::Tensor& in, const c10d::ReduceScatterOptions& o) override {
+    check_average("reduce_scatter_tensor", {in}, o.reduceOp);
     if (!on_cpu(out) || !on_cpu(in) || out.scalar_type() != in.scalar_type() ||
         in.numel() != out.numel() * getSize() || !reducible(in.scalar_type(), o.reduceOp)) {
       return gloo_->_reduce_scatter_base(out, in, o);

@@ -502,6 +502,13 @@ class FusetrainDDPStrategy(DDPStrategy):
         ``"avg"`` of a CPU tensor over such a group is that SUM and division,
         so the results are those of ``"ddp"`` on the CPU, bit for bit (an
         integer tensor keeps its dtype, the quotient truncated, as there).
+
+        Args:
+            tensor: the value to reduce over the ranks, in place (anything
+                else is returned as it is).
+            group: the process group (default: the world).
+            reduce_op: ``"mean"``/``"avg"``, ``"sum"``, ``"max"``, ``"min"``
+                or a ``torch.distributed.ReduceOp``, as Lightning's.
         """
         if (isinstance(tensor, torch.Tensor) and isinstance(reduce_op, str)
                 and reduce_op.lower() in ("mean", "avg") and _averages_by_division(tensor, group)):

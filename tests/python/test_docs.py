@@ -7,7 +7,10 @@
   block runs it only where that device is present: the CUDA ones in ``make
   gpu-check`` (``pytest -m cuda``), after the page's other blocks.
 - ``sh`` blocks marked ``<!-- docs-test: run -->`` run from the repository
-  root (``build/fusetrain`` is the build under test).
+  root (``build/fusetrain`` is the build under test); those marked
+  ``<!-- docs-test: run after python -->`` run in a temporary directory
+  after the page's python blocks above them ran there (the files a reader
+  writes first, then the commands as the page shows them).
 - ``cpp`` blocks compile (in one file, each inside a function that sees the
   names of ``_CPP_PRELUDE``), or are excerpts of a tested program
   (``<!-- docs-test: excerpt FILE -->``: the block's lines appear in FILE,
@@ -17,6 +20,8 @@
   reference, link or docstring fails here.
 - Every public name the Python reference (``docs/reference/python.md``)
   documents has a docstring that names each of its arguments.
+- The committed reference pages (``docs/reference/*.md``) are what ``make
+  reference`` generates from the build, the headers and the docstrings.
 
 The convention is documented in docs/architecture.md ("Documentation").
 """
@@ -48,6 +53,7 @@ PAGES = sorted(DOCS.rglob("*.md")) + [ROOT / "README.md"]
 MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*(.*?)\s*-->\s*$")
 FENCE = re.compile(r"^(\s*)(```+|~~~+)\s*([^\s`]*)")
 KNOWN_DEVICES = ("cuda", "tpu")
+_SHELL_MARKERS = ("run", "run after python")
 
 
 @dataclass
@@ -135,7 +141,8 @@ def test_every_marker_is_known():
             assert kind == "needs" and device in KNOWN_DEVICES, (
                 f"{b.where}: a python block runs unless marked `needs cuda` or `needs tpu`, got {b.marker!r}")
         elif b.lang in ("sh", "bash"):
-            assert b.marker == "run", f"{b.where}: a shell block's only marker is `run`, got {b.marker!r}"
+            assert b.marker in _SHELL_MARKERS, (
+                f"{b.where}: a shell block's markers are {', '.join(map(repr, _SHELL_MARKERS))}, got {b.marker!r}")
         elif b.lang == "cpp":
             kind, _, arg = b.marker.partition(" ")
             assert kind in ("excerpt", "fragment"), f"{b.where}: unknown cpp marker {b.marker!r}"
@@ -312,12 +319,13 @@ struct DocsExample {
 
 
 def _torch_cxx_standard() -> str:
-    """The C++ standard torch's headers need, as its CMake target asks for it:
-    C++20 from torch 2.14 (whose headers stop below it), C++17 before."""
+    """The C++ standard torch's headers need, as its CMake config asks for
+    it: C++20 from torch 2.14 (whose headers stop below it; 2.14 says
+    ``CXX_STANDARD 20``, 2.15 ``cxx_std_20``), C++17 before."""
     import torch.utils
 
-    config = Path(torch.utils.cmake_prefix_path) / "Torch" / "TorchConfig.cmake"
-    return "gnu++20" if "cxx_std_20" in config.read_text() else "gnu++17"
+    config = (Path(torch.utils.cmake_prefix_path) / "Torch" / "TorchConfig.cmake").read_text()
+    return "gnu++20" if re.search(r"cxx_std_20|CXX_STANDARD 20\b", config) else "gnu++17"
 
 
 def test_cpp_examples_compile(tmp_path):
@@ -382,11 +390,13 @@ def _run(cmd, *, cwd, env, timeout, stdin=None) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
-def _run_page(page: Path, tmp_path: Path, devices: tuple) -> None:
+def _run_page(page: Path, tmp_path: Path, devices: tuple, before: Optional[int] = None) -> None:
     """Runs the page's python blocks in order in one interpreter: the
-    unmarked ones, and those that need one of `devices`."""
+    unmarked ones, and those that need one of `devices` (those above line
+    `before` only, when given)."""
     runnable = [{"where": b.where, "code": b.code} for b in code_blocks(page)
-                if b.lang == "python" and (b.marker is None or b.marker.split()[1] in devices)]
+                if b.lang == "python" and (b.marker is None or b.marker.split()[1] in devices)
+                and (before is None or b.line < before)]
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1",
                PYTHONUNBUFFERED="1", MPLBACKEND="Agg", TOKENIZERS_PARALLELISM="false",
@@ -409,13 +419,60 @@ def test_cuda_examples_run(page, tmp_path):
     _run_page(page, tmp_path, ("cuda",))
 
 
-@pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.lang in ("sh", "bash") and b.marker == "run"],
+@pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.lang in ("sh", "bash") and b.marker in _SHELL_MARKERS],
                          ids=lambda b: b.where)
-def test_marked_shell_examples_run(block):
+def test_marked_shell_examples_run(block, tmp_path):
+    """`run`: from the repository root. `run after python`: as a reader
+    copies them, in a fresh directory where the page's python blocks above
+    the commands wrote their files (issue 49: the trainer page's "your own
+    data" commands failed when copied)."""
     assert (BUILD / "fusetrain").exists(), f"{BUILD / 'fusetrain'} is missing: make build"
     code = block.code.replace("build/fusetrain", str(BUILD / "fusetrain"))
-    p = _run(["bash", "-e", "-c", code], cwd=ROOT, env=dict(os.environ), timeout=120)
+    cwd = ROOT
+    if block.marker == "run after python":
+        _run_page(block.page, tmp_path, (), before=block.line)
+        cwd = tmp_path
+    p = _run(["bash", "-e", "-c", code], cwd=cwd, env=dict(os.environ), timeout=120 if cwd == ROOT else 300)
     assert p.returncode == 0, f"{block.where}:\n{p.stdout[-4000:]}"
+
+
+def _reference_generator():
+    """docs/_ext/fusetrain_docs.py, which generates the reference pages
+    (``make reference`` runs it as a script; Sphinx loads it as an extension)."""
+    spec = importlib.util.spec_from_file_location("fusetrain_docs", DOCS / "_ext" / "fusetrain_docs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name", ["config.md", "cpp.md", "python.md"])
+def test_reference_pages_are_current(name, monkeypatch):
+    """Issue 49: docs/reference/*.md hold the generated reference, so that it
+    reads as reference in the source tree too, not only after `make docs`.
+    Each page is what `make reference` writes: its regions regenerated here
+    in memory from the build under test (`fusetrain train --print-schema`),
+    the headers and the installed package's docstrings."""
+    import difflib
+
+    assert (BUILD / "fusetrain").exists(), f"{BUILD / 'fusetrain'} is missing: make build"
+    monkeypatch.setenv("FUSETRAIN_BUILD_DIR", str(BUILD))
+    generator = _reference_generator()
+    page = DOCS / "reference" / name
+    committed = page.read_text()
+    assert generator._REGION.search(committed), f"{page.relative_to(ROOT)}: no generated region (its markers are gone)"
+    try:
+        expected = generator.regenerate(committed)
+    except ImportError as e:
+        absent = sorted({lib for libs in _OPTIONAL.values() for lib in libs if importlib.util.find_spec(lib) is None})
+        if not absent:
+            raise
+        pytest.skip(f"{page.relative_to(ROOT)} documents modules that need {', '.join(absent)} (not installed here): {e}")
+    if committed != expected:
+        diff = list(difflib.unified_diff(committed.splitlines(), expected.splitlines(), "committed", "generated",
+                                         lineterm="", n=1))
+        pytest.fail(f"{page.relative_to(ROOT)} is stale: run `{generator.REFRESH}` (or `FUSETRAIN_BUILD_DIR=build "
+                    f"python docs/_ext/fusetrain_docs.py`) to rewrite it from the build, and commit it. "
+                    f"The difference ({len(diff)} lines):\n" + "\n".join(diff[:80]))
 
 
 def test_sphinx_build_has_no_warnings(tmp_path):

@@ -196,6 +196,22 @@ def sc_errors(pg, rank, world):
     s = torch.ones(5)
     dist.all_reduce(s, group=pg)
     out["in_step_after_local_error"] = bool(torch.equal(s, torch.full((5,), float(world))))
+    # ReduceOp.AVG of integers (gloo's "result type Float can't be cast to
+    # the desired output type Long" after the sum): refused on every rank
+    # before anything is sent, saying what to do; the group goes on.
+    out["avg_int_errors"] = []
+    for call in (lambda: dist.all_reduce(torch.ones(4, dtype=torch.int64), op=dist.ReduceOp.AVG, group=pg),
+                 lambda: dist.reduce_scatter_tensor(torch.zeros(2, dtype=torch.int32),
+                                                    torch.ones(2 * world, dtype=torch.int32),
+                                                    op=dist.ReduceOp.AVG, group=pg)):
+        try:
+            call()
+            out["avg_int_errors"].append(None)
+        except ValueError as e:
+            out["avg_int_errors"].append(str(e))
+    s = torch.ones(5)
+    dist.all_reduce(s, op=dist.ReduceOp.AVG, group=pg)
+    out["in_step_after_avg_errors"] = bool(torch.equal(s, torch.ones(5)))
     # Mismatched sizes: every rank raises, naming the mismatch; then every
     # later collective fails at once too.
     try:
@@ -273,6 +289,9 @@ def test_paths_agree_local_errors_stay_local_and_mismatches_fail_every_rank(shm)
         else:
             assert d["expanded_receiver_error"] is None, d["expanded_receiver_error"]
         assert d["in_step_after_local_error"], f"rank {rank}: a local error broke the group"
+        for e, kind in zip(d["avg_int_errors"], ("all_reduce", "reduce_scatter_tensor")):
+            assert e is not None and kind in e and "ReduceOp.SUM and divide" in e, (rank, d["avg_int_errors"])
+        assert d["in_step_after_avg_errors"], f"rank {rank}: the refused averages broke the group"
         assert d["mismatch_error"] is not None and "do not match" in d["mismatch_error"], d["mismatch_error"]
         assert d["after_mismatch_error"] is not None, f"rank {rank}: the group went on after a mismatch"
 

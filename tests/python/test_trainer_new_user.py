@@ -231,7 +231,8 @@ def test_a_state_dict_given_as_a_torchscript_model_says_so(tmp_path):
     p = image_run(data, tmp_path / "run", "--set", "model.name=torchscript",
                   "--set", f"model.path={tmp_path / 'weights.pt'}")
     assert p.returncode == USAGE
-    assert f"model.path: {tmp_path / 'weights.pt'} is a state dict (torch.save(model.state_dict()))" in p.stderr, \
+    assert (f"model.path: {tmp_path / 'weights.pt'} is not a TorchScript module but a state dict "
+            "(torch.save(model.state_dict()))") in p.stderr, \
         p.stderr
     assert "torch.jit.save(torch.jit.script(model), path)" in p.stderr
 
@@ -245,7 +246,7 @@ def test_a_model_of_another_input_width_names_both_widths_in_one_line(tmp_path):
     assert p.returncode == USAGE
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, p.stderr
-    assert "takes inputs of width 784, the data's are 64 wide" in lines[0], lines[0]
+    assert "a layer takes inputs of width 784 and was given width 64" in lines[0], lines[0]
 
 
 # ------------------------------------------------------------- a busy machine

@@ -313,9 +313,12 @@ def test_bad_modules_fail_before_training(tmp_path, models, arch, needle):
 
 @pytest.mark.parametrize("where", ["train", "val"])
 def test_a_stray_label_is_named_when_the_classes_disagree(tmp_path, models, where):
-    """A label 12 by mistake in a 3-class file: the trainer infers 13 classes
-    and the 3-output model disagrees. The error says where the 13 came from
-    (the file, the label's index and value) and which key sets the count."""
+    """A label 12 by mistake in a 3-class file. In the training file the
+    trainer infers 13 classes and the 3-output model disagrees: the error
+    says where the 13 came from (the file, the label's index and value) and
+    which key sets the count. In the validation file it is a label the
+    training labels do not have: an error naming it, before the model runs
+    (issue 49: it used to grow the class count silently)."""
     user_models, _ = models
     (train, x, y), (val, xv, yv) = data_files(tmp_path, (1, 8, 8))
     path, labels, inputs = (train, y, x) if where == "train" else (val, yv, xv)
@@ -327,10 +330,13 @@ def test_a_stray_label_is_named_when_the_classes_disagree(tmp_path, models, wher
     run_dir = tmp_path / "run"
     p = run(*full_batch_args(run_dir, model, train, val, len(y)))
     assert p.returncode == USAGE, p.stderr
-    key = "data.path" if where == "train" else "data.val_path"
-    want = (f"Its 13 classes come from data.num_classes=0, so inferred from the labels: the largest is 12 at "
-            f"index 17 of {key} {path}")
-    assert want in p.stderr and "set data.num_classes" in p.stderr, p.stderr
+    if where == "train":
+        want = (f"Its 13 classes: inferred from the training labels (data.num_classes=0): the largest "
+                f"is 12, at index 17 of data.path {path}")
+        assert want in p.stderr, p.stderr
+    else:
+        want = (f"data.val_path {path}: label 12 at index 17 is not among the training labels' classes 0 .. 2")
+        assert want in p.stderr and "set data.num_classes=13" in p.stderr, p.stderr
     # Set explicitly, the count is the key's, and the stray label is named.
     p = run(*full_batch_args(run_dir, model, train, val, len(y)), "--set", "data.num_classes=3")
     assert p.returncode == USAGE and "label 12 at index 17 is out of range for data.num_classes=3" in p.stderr, p.stderr
