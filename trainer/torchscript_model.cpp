@@ -25,6 +25,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <utility>
@@ -205,8 +206,14 @@ class ScriptPartImpl : public torch::nn::Module {
   }
   const std::string& type() const { return type_; }
 
+  /// The module's class, as written in Python. TorchScript mangles the name
+  /// of a class it compiles again in one process with other attributes
+  /// ("torch.nn.modules.linear.___torch_mangle_0.Linear": any user who
+  /// scripted two models before saving this one); the mangling is left out.
   static std::string type_name(const torch::jit::Module& m) {
-    return m.type()->name() ? m.type()->name()->qualifiedName() : "";
+    if (!m.type()->name()) return "";
+    static const std::regex mangled(R"(___torch_mangle_\d+\.)");
+    return std::regex_replace(m.type()->name()->qualifiedName(), mangled, "");
   }
 
   static void mirror(torch::nn::Module& self, const torch::jit::Module& part) {
@@ -352,8 +359,11 @@ Model load_torchscript_model(const Config& config, const Dataset& data) {
       y = model->forward(x);
     } catch (const UsageError&) {
       throw;
-    } catch (const c10::Error& e) {
-      const std::string cause = error_line(e.what_without_backtrace());
+    } catch (const std::exception& e) {
+      // A c10::Error, or on some torch versions the interpreter's own
+      // exception type: the message either way.
+      const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+      const std::string cause = error_line(c10_error ? c10_error->what_without_backtrace() : e.what());
       // A first Linear layer of another width: "mat1 and mat2 shapes cannot
       // be multiplied (2x20 and 784x128)" says both widths.
       long rows = 0, data_width = 0, layer_width = 0, out = 0;
@@ -368,10 +378,6 @@ Model load_torchscript_model(const Config& config, const Dataset& data) {
       }
       throw UsageError("model.path: " + path + ": forward(x) with a batch x of " + input +
                        " (as data.name=" + config.get_string("data.name") + " gives) raised: " + cause);
-    } catch (const std::exception& e) {
-      throw UsageError("model.path: " + path + ": forward(x) with a batch x of " + input +
-                       " (as data.name=" + config.get_string("data.name") +
-                       " gives) raised: " + error_line(e.what()));
     }
     model->train();
   }

@@ -686,14 +686,15 @@ def test_import_without_lightning():
 # ------------------------------------------------------------ self.log(sync_dist=True)
 
 
-def _launch(script: Path, args: list, cwd: Path) -> str:
+def _launch(script: Path, args: list, cwd: Path, **extra_env: str) -> str:
     """Starts ``script`` as a user does (Lightning's launcher starts the
-    second process); its output, or the test fails with it."""
+    second process, its own set-up makes the process group); its output, or
+    the test fails with it."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
                         "LOCAL_WORLD_SIZE", "NODE_RANK") and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
     env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
-               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p), **extra_env)
     proc = subprocess.Popen([sys.executable, str(script), *args], env=env, cwd=str(cwd),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -740,20 +741,7 @@ def test_example_trains_and_the_loss_falls(tmp_path):
     """examples/lightning_train.py at its tiny size, started as a user starts
     it: Lightning's launcher starts the second process, its own set-up makes
     the process group. It finishes and the loss falls by 2% at least."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-                        "LOCAL_WORLD_SIZE", "NODE_RANK") and not k.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env.update(FUSETRAIN_EXAMPLE_TINY="1", OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MASTER_ADDR="127.0.0.1",
-               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    proc = subprocess.Popen([sys.executable, str(EXAMPLE), "--root", str(tmp_path)], env=env, cwd=str(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=EXAMPLE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher's child rank too
-        output, _ = proc.communicate()
-        pytest.fail(f"the example ran past {EXAMPLE_TIMEOUT_S:.0f} s (killed):\n{output[-3000:]}")
-    assert proc.returncode == 0, output[-3000:]
+    output = _launch(EXAMPLE, ["--root", str(tmp_path)], tmp_path, FUSETRAIN_EXAMPLE_TINY="1")
     found = re.search(r"loss ([0-9.]+) -> ([0-9.]+)", output)
     assert found, output[-3000:]
     first, last = float(found.group(1)), float(found.group(2))

@@ -226,10 +226,21 @@ def test_resume_is_exact_and_two_ranks_agree(tmp_path, models):
 
 
 def test_master_weights_keep_layers_in_16_bits(tmp_path, models):
-    user_models, _ = models
+    """The Conv and Linear layers are found by their classes, also where
+    TorchScript mangled the name of a class it compiled again in one process
+    (a Linear of other sizes scripted first: what a user who scripts two
+    models gets; the trainer kept such a layer float32 without a word)."""
+    _, models_dir = models
     (train, x, y), (val, _, _) = data_files(tmp_path, (1, 8, 8))
     path = tmp_path / "model.pt"
-    torch.jit.script(user_models.SmallCnn()).save(str(path))
+    # In a process of its own, so that no Linear compiled earlier decides the names.
+    script = ("import torch, user_models\n"
+              "torch.jit.script(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(5, 7)))\n"
+              f"torch.jit.script(user_models.SmallCnn()).save({str(path)!r})\n")
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=models_dir, capture_output=True, timeout=120,
+                   env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(models_dir), *filter(None, sys.path)])))
+    names = [m._c._type().qualified_name() for m in torch.jit.load(str(path)).modules()]
+    assert any("___torch_mangle_" in n and n.endswith(".Linear") for n in names), names
     run_dir = tmp_path / "run"
     ok(run(*full_batch_args(run_dir, path, train, val, len(y), "--precision", "mixed_bfloat16",
                             "--set", "precision.master_weights=true")))
