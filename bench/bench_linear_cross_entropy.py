@@ -126,6 +126,11 @@ def loss_fns():
         "torch": lambda x, w, t: F.cross_entropy(F.linear(x, w), t, ignore_index=IGNORE),
         "linear+fce": lambda x, w, t: fce(F.linear(x, w), t, ignore_index=IGNORE),
         "recompute": lambda x, w, t: lce(x, w, t, options=_RECOMPUTE),
+        # torch's options (its default: acc_policy "auto", "accurate" for
+        # 16-bit on the CPU), ours and torch 2.13+'s own function.
+        "ours_opts": lambda x, w, t: lce(x, w, t, options=LinearCrossEntropyOptions()),
+        "torch_own": lambda x, w, t: F.linear_cross_entropy(
+            x, w, t, ignore_index=IGNORE, options=torch.nn.LinearCrossEntropyOptions()),
     }
 
 
@@ -238,6 +243,10 @@ def bench_config(ctx: Context, n: int, h: int, c: int, dname: str, with_recomput
     dtype = DTYPES[dname]
     label = f"{n}x{h}->{c} {dname}"
     variants = VARIANTS if with_recompute else tuple(v for v in VARIANTS if v != "recompute")
+    if ctx.is_cuda and hasattr(F, "linear_cross_entropy"):
+        # torch 2.13+'s own chunked function beside ours (issue 50; on the
+        # CPU bench_lce_vs_torch.py compares them).
+        variants += ("torch_own",)
     x, w, t = make_inputs(ctx.device, n, h, c, dtype)
     losses = {}
     fns = {k: step_fn(f, x, w, t, losses, k) for k, f in loss_fns().items() if k in variants}
@@ -266,7 +275,7 @@ def bench_config(ctx: Context, n: int, h: int, c: int, dname: str, with_recomput
     loss_diff = max(abs(losses[k].double().item() - loss_ref) / abs(loss_ref) for k in variants if k != "torch")
 
     # Peak memory, each variant on its own.
-    peak, method, peak_errors = dict.fromkeys(VARIANTS), None, {}
+    peak, method, peak_errors = dict.fromkeys(VARIANTS + ("torch_own",)), None, {}
     if ctx.is_cuda:
         for k in variants:
             peak[k] = peak_cuda(ctx, setup[k], fns[k])
@@ -311,6 +320,9 @@ def bench_config(ctx: Context, n: int, h: int, c: int, dname: str, with_recomput
         f"vs linear+fusetrain CE {med['linear+fce'] * 1e3:.0f} ms ({med['linear+fce'] / med['ours']:.2f}x); "
         f"{mem_note}; loss vs eager's: {loss_diff:.1e} relative"
     )
+    if "torch_own" in med:
+        notes += (f"; torch's own F.linear_cross_entropy {med['torch_own'] * 1e3:.0f} ms "
+                  f"({med['torch_own'] / med['ours']:.2f}x ours' time), peak {mib(peak.get('torch_own'))} MiB")
     if peak_errors:
         notes += "; peak memory failed: " + ", ".join(f"{k}: {e}" for k, e in peak_errors.items())
     common_extra = dict(n=n, h=h, c=c, dtype=dname, chunk_rows=chunk, repeats=repeats, warmup=warmup,

@@ -38,17 +38,20 @@ at::Tensor ModelImpl::forward(const at::Tensor& x, const at::Tensor& targets,
 
 at::Tensor ModelImpl::head_loss(const at::Tensor& features, const at::Tensor& targets,
                                 double label_smoothing) {
+  // torch's linear_cross_entropy takes rows [N, in]: the positions flattened.
+  const at::Tensor rows = features.reshape({-1, features.size(-1)});
+  const at::Tensor flat_targets = targets.reshape({-1});
   fusetrain::nn::LinearCrossEntropyFuncOptions options;
   options.label_smoothing = label_smoothing;
   if (head32_) {
     const nn::Linear& linear = head32_->inner();
     options.linear_bias = linear->bias;
     const amp::Float32Guard float32;
-    return fusetrain::nn::linear_cross_entropy(features.to(at::kFloat), linear->weight, targets,
+    return fusetrain::nn::linear_cross_entropy(rows.to(at::kFloat), linear->weight, flat_targets,
                                                options);
   }
   options.linear_bias = head_->bias;
-  return fusetrain::nn::linear_cross_entropy(features, head_->weight, targets, options)
+  return fusetrain::nn::linear_cross_entropy(rows, head_->weight, flat_targets, options)
       .to(at::kFloat);
 }
 

@@ -59,6 +59,33 @@
 // frees `low`. 4 bytes a weight throughout, the same bits. (CUDA keeps one
 // float32 accumulator: cuBLAS adds into it in the GEMM's epilogue, which a
 // split sum would replace with a float32 product and a pass of its own.)
+//
+// Note [Accumulation precision]
+// torch's LinearCrossEntropyOptions.acc_policy, for 16-bit linears (float32
+// and float64 ones compute in their own dtype throughout):
+// - "compact" (`accurate` false): a chunk's GEMMs run in the linear's dtype;
+//   the logits and their gradient are 16-bit (each GEMM accumulates in fp32
+//   and rounds its output once), as in eager PyTorch, where F.linear's
+//   output and the gradient flowing back into it have the linear's dtype.
+//   The weight and bias gradients are summed over the chunks in fp32.
+// - "accurate" (`accurate` true): the chunk is computed in float32, the
+//   weight (and bias) cast once and each chunk's rows as it comes: fp32
+//   logits, fp32 logits' gradient, fp32 GEMMs, as torch's CPU default. On
+//   the CPU it is also the fast one for float16, whose GEMMs have no
+//   hardware path there (a 512 x 50257 x 768 fp16 GEMM takes 79 s on a Zen 4
+//   core pair against 0.21 s in fp32).
+// float16 in the forward's gradients: a loss's gradient reaches the logits
+// as 1 / N per row ("mean") times the GradScaler's scale, which the forward
+// does not know. Stored at 1 / N in float16, every non-target gradient of a
+// large vocabulary falls below float16's smallest subnormal (6e-8) or keeps
+// a few bits. So for float16 the forward holds the input and weight
+// gradients in float32 (the weight's accumulator is float32 anyway; the
+// input's costs 2 more bytes an element until the backward), and float16
+// GEMMs ("compact") take the logits' gradient at the scale of one row's loss
+// (|g| <= 1: no overflow, and subnormal only where a probability is below
+// 6e-8) while the forward's `grad_scale` output carries the 1 / N. The
+// backward multiplies the held float32 gradients by the loss's gradient and
+// grad_scale and rounds once to float16.
 #include <fusetrain/ops/checks.h>
 #include <fusetrain/ops/cross_entropy.h>
 #include <fusetrain/ops/linear_cross_entropy.h>
@@ -83,7 +110,19 @@ constexpr const char* kForwardOp = "fusetrain::linear_cross_entropy_forward";
 constexpr const char* kBackwardOp = "fusetrain::linear_cross_entropy_backward";
 
 bool is_linear_dtype(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
+}
+
+// The dtype a chunk's logits, their gradient and its GEMMs are computed in
+// (Note [Accumulation precision]).
+at::ScalarType compute_dtype(at::ScalarType dtype, bool accurate) {
+  return accurate && (dtype == at::kHalf || dtype == at::kBFloat16) ? at::kFloat : dtype;
+}
+
+// The dtype of the losses, log-sum-exps and sums: float64 for float64
+// linears, float32 otherwise.
+at::ScalarType acc_dtype(at::ScalarType dtype) {
+  return dtype == at::kDouble ? at::kDouble : at::kFloat;
 }
 
 // Every argument of either op, each message naming what is at fault.
@@ -96,7 +135,7 @@ void check_args(const char* op, const at::Tensor& input, const at::Tensor& linea
   TORCH_CHECK(input.dim() == 2, op, ": input must be 2-D [rows, in_features], got shape ",
               input.sizes());
   TORCH_CHECK(is_linear_dtype(input.scalar_type()), op,
-              ": input must be float32, float16 or bfloat16, got ", input.scalar_type());
+              ": input must be float32, float64, float16 or bfloat16, got ", input.scalar_type());
   TORCH_CHECK(linear_weight.dim() == 2, op,
               ": linear_weight must be 2-D [classes, in_features], got shape ",
               linear_weight.sizes());
@@ -133,7 +172,7 @@ void check_args(const char* op, const at::Tensor& input, const at::Tensor& linea
   TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, op,
               ": label_smoothing must be in [0, 1], got ", label_smoothing);
   parse_reduction(reduction, op);
-  TORCH_CHECK(chunk_rows >= 1, op, ": chunk_rows must be at least 1, got ", chunk_rows);
+  (void)chunk_rows;  // <= 0: the rule's (linear_cross_entropy_chunk_rows)
 }
 
 // On the CPU the targets are checked up front, so that the error names the
@@ -155,21 +194,22 @@ void check_targets(const at::Tensor& target, int64_t classes, int64_t ignore_ind
 // gradients for per-row loss gradients `scale` (0-d: every row's, or [N]).
 struct Pass {
   at::Tensor input;  // the operands contiguous: the GEMMs and row loops take spans
-  at::Tensor linear_weight;
-  std::optional<at::Tensor> linear_bias;
+  at::Tensor linear_weight;               // in the compute dtype
+  std::optional<at::Tensor> linear_bias;  // in the compute dtype
   at::Tensor target;
-  at::Tensor class_weight;  // float32 [C], undefined when unweighted
+  at::Tensor class_weight;  // [C] in the accumulation dtype, undefined when unweighted
   int64_t ignore_index;
   double label_smoothing;
   int64_t chunk_rows;
+  at::ScalarType compute;  // the dtype of a chunk's GEMMs and logits
 };
 
 struct Grads {
-  at::Tensor input;       // [N, H] in the linear's dtype, or undefined
-  at::Tensor weight;      // [C, H] float32 accumulator, or undefined; for a bf16
-                          // linear on the CPU the high halves of its values
+  at::Tensor input;       // [N, H] (the stored dtype), or undefined
+  at::Tensor weight;      // [C, H] float32 (float64) accumulator, or undefined;
+                          // for bf16 GEMMs on the CPU the high halves of its values
   at::Tensor weight_low;  // ... and then their low halves (Note [Split float32 sum])
-  at::Tensor bias;        // [C] float32 accumulator, or undefined
+  at::Tensor bias;        // [C] float32 (float64) accumulator, or undefined
 };
 
 // Rows of a [rows, cols] output per CPU GEMM block: the block's product (and
@@ -195,42 +235,51 @@ void split_sum_add_mm_(at::Tensor& high, at::Tensor& low, const at::Tensor& mat1
   }
 }
 
-// Weighted softmax cross-entropy of one chunk in fp32 (torch's formula, Note
-// [Chunked linear cross-entropy]): the row losses (when row_loss is given)
-// and, when `scale` is defined, the logits' gradient in `dtype`, computed
-// over `z` in place when it is float32 (z is the chunk's own temporary).
-at::Tensor weighted_chunk(const at::Tensor& z, const at::Tensor& t, const at::Tensor& w,
-                          int64_t ignore_index, double ls, const at::Tensor& row_loss,
-                          const at::Tensor& lse_out, const at::Tensor& lse_in,
-                          const at::Tensor& scale, at::ScalarType dtype) {
+// Softmax cross-entropy of one chunk by ATen ops in the accumulation dtype
+// (float32, float64 for float64 logits), torch's weighted formula (Note
+// [Chunked linear cross-entropy]; `w` undefined: every class weighs 1): the
+// row losses (when row_loss is given) and, when `scale` is defined, the
+// logits' gradient in z's dtype. Class weights and float64 logits come here;
+// the rest takes the fused ops.
+at::Tensor generic_chunk(const at::Tensor& z, const at::Tensor& t, const at::Tensor& w,
+                         int64_t ignore_index, double ls, const at::Tensor& row_loss,
+                         const at::Tensor& lse_out, const at::Tensor& lse_in,
+                         const at::Tensor& scale) {
   const int64_t classes = z.size(1);
-  const at::Tensor zf = z.to(at::kFloat);
-  const at::Tensor lse = lse_in.defined() ? lse_in : at::logsumexp(zf, {1});
+  const at::ScalarType acc = acc_dtype(z.scalar_type());
+  at::Tensor zf = z.to(acc);
+  const at::Tensor lse = lse_in.defined() ? lse_in.to(acc) : at::logsumexp(zf, {1});
   const at::Tensor kept = t.ne(ignore_index);
-  const at::Tensor keptf = kept.to(at::kFloat);
+  const at::Tensor keptf = kept.to(acc);
   const at::Tensor tc = at::where(kept, t, 0).unsqueeze(1);
-  const at::Tensor wt = w.index_select(0, tc.squeeze(1)).mul(keptf);
+  const at::Tensor wt = w.defined() ? w.index_select(0, tc.squeeze(1)).mul(keptf) : keptf;
+  const at::Tensor wsum =
+      w.defined() ? w.sum() : at::scalar_tensor(static_cast<double>(classes), zf.options());
   const double smooth = ls / static_cast<double>(classes);
   if (row_loss.defined()) {
     at::Tensor loss = lse.sub(zf.gather(1, tc).squeeze(1)).mul(wt).mul(1.0 - ls);
     if (ls != 0.0) {
       // sum_j w_j (lse - z_j) = lse sum_j w_j - z . w
-      loss.add_(lse.mul(w.sum()).sub(at::mv(zf, w)).mul(keptf).mul(smooth));
+      const at::Tensor zw = w.defined() ? at::mv(zf, w) : zf.sum(1);
+      loss.add_(lse.mul(wsum).sub(zw).mul(keptf).mul(smooth));
     }
     row_loss.copy_(loss);
     if (lse_out.defined()) lse_out.copy_(lse);
   }
   if (!scale.defined()) return {};
-  // In place over the fp32 logits (the chunk's own, or their fp32 copy): the
-  // loss above was their last other use.
+  // In place over the logits in the accumulation dtype (the chunk's own, or
+  // their copy): the loss above was their last other use.
   at::Tensor grad = zf.sub_(lse.unsqueeze(1)).exp_();
-  grad.mul_(wt.mul(1.0 - ls).add(keptf.mul(w.sum()).mul(smooth)).unsqueeze(1));
-  if (ls != 0.0) grad.sub_(keptf.unsqueeze(1).mul(w.unsqueeze(0)).mul(smooth));
+  grad.mul_(wt.mul(1.0 - ls).add(keptf.mul(wsum).mul(smooth)).unsqueeze(1));
+  if (ls != 0.0) {
+    grad.sub_(w.defined() ? keptf.unsqueeze(1).mul(w.unsqueeze(0)).mul(smooth)
+                          : keptf.unsqueeze(1).mul(smooth));
+  }
   grad.scatter_add_(1, tc, wt.mul(-(1.0 - ls)).unsqueeze(1));
   // Ignored rows stay exact zeros even when the scale is inf ("mean" over no
   // kept row: 0 / 0 is the loss, not the gradient).
-  grad.mul_(at::where(kept, scale, 0.f).unsqueeze(1));
-  return grad.to(dtype);
+  grad.mul_(at::where(kept, scale.to(acc), 0).unsqueeze(1));
+  return grad.to(z.scalar_type());
 }
 
 // Runs the chunks: fills row_loss and lse (when defined: the forward) and
@@ -241,9 +290,12 @@ void run_chunks(const Pass& p, const at::Tensor& row_loss, const at::Tensor& lse
   const int64_t n = p.input.size(0);
   const bool per_row_scale = scale.defined() && scale.dim() == 1;
   const at::Tensor weight_t = p.linear_weight.t();
+  const bool generic = p.class_weight.defined() || p.compute == at::kDouble;
   for (int64_t r0 = 0; r0 < n; r0 += p.chunk_rows) {
     const int64_t r = std::min(p.chunk_rows, n - r0);
-    const at::Tensor x = p.input.narrow(0, r0, r);
+    // The chunk's rows in the compute dtype (a float32 copy of 16-bit rows
+    // under "accurate": chunk-sized, not [N, H]).
+    const at::Tensor x = p.input.narrow(0, r0, r).to(p.compute);
     const at::Tensor t = p.target.narrow(0, r0, r);
     at::Tensor z =
         given(p.linear_bias) ? at::addmm(*p.linear_bias, x, weight_t) : at::mm(x, weight_t);
@@ -253,9 +305,9 @@ void run_chunks(const Pass& p, const at::Tensor& row_loss, const at::Tensor& lse
     const at::Tensor chunk_scale =
         !scale.defined() ? at::Tensor() : (per_row_scale ? scale.narrow(0, r0, r) : scale);
     at::Tensor g;
-    if (p.class_weight.defined()) {
-      g = weighted_chunk(z, t, p.class_weight, p.ignore_index, p.label_smoothing, chunk_loss,
-                         chunk_lse_out, chunk_lse_in, chunk_scale, z.scalar_type());
+    if (generic) {
+      g = generic_chunk(z, t, p.class_weight, p.ignore_index, p.label_smoothing, chunk_loss,
+                        chunk_lse_out, chunk_lse_in, chunk_scale);
     } else {
       at::Tensor lse = chunk_lse_in;
       if (chunk_loss.defined()) {
@@ -276,30 +328,39 @@ void run_chunks(const Pass& p, const at::Tensor& row_loss, const at::Tensor& lse
     if (!g.defined()) continue;
     if (grads.input.defined()) {
       at::Tensor dx = grads.input.narrow(0, r0, r);
-      at::mm_out(dx, g, p.linear_weight);
+      if (dx.scalar_type() == g.scalar_type()) {
+        at::mm_out(dx, g, p.linear_weight);
+      } else {
+        dx.copy_(at::mm(g, p.linear_weight));
+      }
     }
     if (grads.weight_low.defined()) {
       split_sum_add_mm_(grads.weight, grads.weight_low, g.t(), x);
     } else if (grads.weight.defined()) {
       mm_accumulate_(grads.weight, g.t(), x);
     }
-    if (grads.bias.defined()) grads.bias.add_(g.sum(0, /*keepdim=*/false, at::kFloat));
+    if (grads.bias.defined()) grads.bias.add_(g.sum(0, /*keepdim=*/false, grads.bias.scalar_type()));
   }
 }
 
-// Either op's operands, made contiguous, with the targets checked.
+// Either op's operands, made contiguous (the linear's in the compute dtype),
+// with the targets checked.
 Pass pass_of(const at::Tensor& input, const at::Tensor& linear_weight,
              const std::optional<at::Tensor>& linear_bias, const at::Tensor& target,
              const std::optional<at::Tensor>& weight, int64_t ignore_index,
-             double label_smoothing, int64_t chunk_rows) {
+             double label_smoothing, int64_t chunk_rows, bool accurate) {
+  const at::ScalarType compute = compute_dtype(input.scalar_type(), accurate);
+  const at::ScalarType acc = acc_dtype(input.scalar_type());
   Pass p{input.contiguous(),
-         linear_weight.contiguous(),
-         given(linear_bias) ? std::optional<at::Tensor>(linear_bias->contiguous()) : std::nullopt,
+         linear_weight.to(compute).contiguous(),
+         given(linear_bias) ? std::optional<at::Tensor>(linear_bias->to(compute).contiguous())
+                            : std::nullopt,
          target.contiguous(),
-         given(weight) ? weight->to(at::kFloat).contiguous() : at::Tensor(),
+         given(weight) ? weight->to(acc).contiguous() : at::Tensor(),
          ignore_index,
          label_smoothing,
-         chunk_rows};
+         chunk_rows,
+         compute};
   check_targets(p.target, p.linear_weight.size(0), ignore_index);
   return p;
 }
@@ -312,36 +373,46 @@ struct BelowAutocastAndAutograd {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
 };
 
-// What "mean" divides by: the kept rows, or the sum of their targets' class
-// weights (torch's weighted mean); 1 for "sum" and "none". float32 0-d.
+// What "mean" divides by: the kept rows, or the sum of their targets'
+// class weights (torch's weighted mean); 1 for "sum" and "none". 0-d, in
+// the accumulation dtype.
 at::Tensor denominator_of(const Pass& p, Reduction red) {
-  const auto f32 = p.input.options().dtype(at::kFloat);
-  if (red != Reduction::kMean) return at::ones({}, f32);
+  const auto options = p.input.options().dtype(acc_dtype(p.input.scalar_type()));
+  if (red != Reduction::kMean) return at::ones({}, options);
   const at::Tensor kept = p.target.ne(p.ignore_index);
-  if (!p.class_weight.defined()) return kept.sum().to(at::kFloat);
+  if (!p.class_weight.defined()) return kept.sum().to(options.dtype());
   const at::Tensor tc = at::where(kept, p.target, 0);
   return p.class_weight.index_select(0, tc).mul(kept).sum();
 }
 
-// Grads with the accumulators the mask asks for.
-Grads grads_for(const Pass& p, std::array<bool, 3> mask) {
-  const auto f32 = p.input.options().dtype(at::kFloat);
+// The dtype the forward keeps a gradient in until the backward scales it
+// (Note [Accumulation precision]): the linear's, but float32 for float16,
+// whose 5-bit exponent would lose the small gradients before the loss scale
+// lifts them.
+at::ScalarType held_dtype(at::ScalarType dtype) {
+  return dtype == at::kHalf ? at::kFloat : dtype;
+}
+
+// Grads with the accumulators the mask asks for; the input's gradient in
+// `input_dtype`.
+Grads grads_for(const Pass& p, std::array<bool, 3> mask, at::ScalarType input_dtype) {
+  const auto acc = p.input.options().dtype(acc_dtype(p.input.scalar_type()));
   Grads g;
-  if (mask[0]) g.input = at::empty_like(p.input, at::MemoryFormat::Contiguous);
-  if (mask[1] && p.input.is_cpu() && p.input.scalar_type() == at::kBFloat16) {
+  if (mask[0]) g.input = at::empty(p.input.sizes(), p.input.options().dtype(input_dtype));
+  if (mask[1] && p.input.is_cpu() && p.compute == at::kBFloat16) {
     // Zero bits in both halves: float32 zeros (Note [Split float32 sum]).
     g.weight = at::zeros(p.linear_weight.sizes(), p.input.options());
     g.weight_low = at::zeros(p.linear_weight.sizes(), p.input.options().dtype(at::kShort));
   } else if (mask[1]) {
-    g.weight = at::zeros(p.linear_weight.sizes(), f32);
+    g.weight = at::zeros(p.linear_weight.sizes(), acc);
   }
-  if (mask[2] && given(p.linear_bias)) g.bias = at::zeros({p.linear_weight.size(0)}, f32);
+  if (mask[2] && given(p.linear_bias)) g.bias = at::zeros({p.linear_weight.size(0)}, acc);
   return g;
 }
 
-// The accumulated gradients in the linear's dtype (the float32 accumulators
-// are returned as they are for a float32 linear, a split sum's rounded high
-// halves as they are), empty where not computed. Frees the accumulators.
+// The accumulated gradients in `dtype` (accumulators already of it returned
+// as they are, a split sum's rounded high halves as they are), empty where
+// not computed. Frees the accumulators.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> finish(Grads g, at::ScalarType dtype,
                                                       const at::TensorOptions& options) {
   if (g.weight_low.defined()) {
@@ -354,42 +425,64 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> finish(Grads g, at::ScalarType dt
   return {out(g.input), out(g.weight), out(g.bias)};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+// The chunk rows the caller gave, or the rule's for the compute dtype.
+int64_t resolved_chunk_rows(int64_t chunk_rows, const at::Tensor& input, int64_t classes,
+                            bool accurate) {
+  if (chunk_rows > 0) return chunk_rows;
+  return linear_cross_entropy_chunk_rows(input.size(0), input.size(1), classes,
+                                         compute_dtype(input.scalar_type(), accurate),
+                                         input.device().type());
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 forward_generic(const at::Tensor& input_in, const at::Tensor& linear_weight_in,
                 const std::optional<at::Tensor>& linear_bias_in, const at::Tensor& target_in,
                 const std::optional<at::Tensor>& weight, int64_t ignore_index,
                 double label_smoothing, c10::string_view reduction_view, int64_t chunk_rows,
-                bool with_grad) {
+                std::array<bool, 3> grad_mask, bool accurate) {
   const std::string reduction(reduction_view);
   check_args(kForwardOp, input_in, linear_weight_in, linear_bias_in, target_in, weight,
              label_smoothing, reduction, chunk_rows);
   const Reduction red = parse_reduction(reduction, kForwardOp);
+  const bool with_grad = grad_mask[0] || grad_mask[1] || (grad_mask[2] && given(linear_bias_in));
   TORCH_CHECK(!with_grad || red != Reduction::kNone, kForwardOp,
-              ": with_grad needs a scalar loss (reduction \"mean\" or \"sum\"); \"none\" "
-              "recomputes in linear_cross_entropy_backward");
+              ": gradients in the forward need a scalar loss (reduction \"mean\" or \"sum\"); "
+              "\"none\" recomputes in linear_cross_entropy_backward");
   const BelowAutocastAndAutograd below;
+  const at::ScalarType dtype = input_in.scalar_type();
   const Pass p = pass_of(input_in, linear_weight_in, linear_bias_in, target_in, weight,
-                         ignore_index, label_smoothing, chunk_rows);
-  const auto f32 = p.input.options().dtype(at::kFloat);
+                         ignore_index, label_smoothing,
+                         resolved_chunk_rows(chunk_rows, input_in, linear_weight_in.size(0),
+                                             accurate),
+                         accurate);
+  const auto acc = p.input.options().dtype(acc_dtype(dtype));
   const int64_t n = p.input.size(0);
-  at::Tensor row_loss = at::empty({n}, f32);
-  at::Tensor lse = at::empty({n}, f32);
+  at::Tensor row_loss = at::empty({n}, acc);
+  at::Tensor lse = at::empty({n}, acc);
   const at::Tensor denominator = denominator_of(p, red);
   // The gradient of the loss with respect to each row's loss, for a loss
-  // gradient of 1: 1 / denominator for "mean", 1 for "sum".
-  const at::Tensor scale = with_grad ? at::reciprocal(denominator) : at::Tensor();
-  Grads grads = with_grad ? grads_for(p, {true, true, true}) : Grads{};
+  // gradient of 1: 1 / denominator for "mean", 1 for "sum"; float16 GEMMs
+  // take 1 (Note [Accumulation precision]) and grad_scale the rest.
+  const bool per_row = p.compute == at::kHalf;
+  at::Tensor scale, grad_scale;
+  if (with_grad) {
+    scale = per_row ? at::ones({}, acc) : at::reciprocal(denominator);
+    grad_scale = per_row ? at::reciprocal(denominator) : at::ones({}, acc);
+  } else {
+    grad_scale = at::ones({}, acc);
+  }
+  Grads grads = with_grad ? grads_for(p, grad_mask, held_dtype(dtype)) : Grads{};
   run_chunks(p, row_loss, lse, at::Tensor(), scale, grads);
 
   at::Tensor loss = row_loss;
   if (red != Reduction::kNone) {
-    // A double sum of the fp32 row losses, rounded once (the fused
+    // A double sum of the row losses, rounded once (the fused
     // cross-entropy's reduction); all rows ignored under "mean": 0 / 0 = NaN.
     const at::Tensor total = row_loss.sum(0, /*keepdim=*/false, at::kDouble);
-    loss = (red == Reduction::kMean ? total.div(denominator) : total).to(at::kFloat);
+    loss = (red == Reduction::kMean ? total.div(denominator) : total).to(acc_dtype(dtype));
   }
-  auto [gi, gw, gb] = finish(std::move(grads), p.input.scalar_type(), p.input.options());
-  return {loss, lse, denominator, gi, gw, gb};
+  auto [gi, gw, gb] = finish(std::move(grads), held_dtype(dtype), p.input.options());
+  return {loss, lse, denominator, gi, gw, gb, grad_scale};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_generic(
@@ -397,12 +490,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_generic(
     const std::optional<at::Tensor>& linear_bias_in, const at::Tensor& target_in,
     const std::optional<at::Tensor>& weight, const at::Tensor& lse, const at::Tensor& denominator,
     int64_t ignore_index, double label_smoothing, c10::string_view reduction_view,
-    int64_t chunk_rows, std::array<bool, 3> output_mask) {
+    int64_t chunk_rows, std::array<bool, 3> output_mask, bool accurate) {
   const std::string reduction(reduction_view);
   check_args(kBackwardOp, input_in, linear_weight_in, linear_bias_in, target_in, weight,
              label_smoothing, reduction, chunk_rows);
   const Reduction red = parse_reduction(reduction, kBackwardOp);
   const int64_t n = input_in.size(0);
+  const at::ScalarType acc = acc_dtype(input_in.scalar_type());
   TORCH_CHECK(grad_loss.defined() && grad_loss.is_floating_point(), kBackwardOp,
               ": grad_loss must be a floating point tensor");
   TORCH_CHECK(red == Reduction::kNone ? (grad_loss.dim() == 1 && grad_loss.size(0) == n)
@@ -410,45 +504,50 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_generic(
               kBackwardOp, ": grad_loss must have shape ",
               red == Reduction::kNone ? "[" + std::to_string(n) + "]" : std::string("[]"),
               " for reduction \"", reduction, "\", got ", grad_loss.sizes());
-  TORCH_CHECK(lse.defined() && lse.scalar_type() == at::kFloat && lse.dim() == 1 &&
-                  lse.size(0) == n,
-              kBackwardOp, ": lse must be the forward's float32 [", n, "] output, got ",
-              lse.sizes());
+  TORCH_CHECK(lse.defined() && lse.scalar_type() == acc && lse.dim() == 1 && lse.size(0) == n,
+              kBackwardOp, ": lse must be the forward's ", acc, " [", n, "] output, got ",
+              lse.scalar_type(), " ", lse.sizes());
   TORCH_CHECK(denominator.defined() && denominator.numel() == 1, kBackwardOp,
               ": denominator must be the forward's one-element output, got ", denominator.sizes());
   const BelowAutocastAndAutograd below;
   const Pass p = pass_of(input_in, linear_weight_in, linear_bias_in, target_in, weight,
-                         ignore_index, label_smoothing, chunk_rows);
-  at::Tensor scale = grad_loss.to(at::kFloat);
+                         ignore_index, label_smoothing,
+                         resolved_chunk_rows(chunk_rows, input_in, linear_weight_in.size(0),
+                                             accurate),
+                         accurate);
+  at::Tensor scale = grad_loss.to(acc);
   scale = red == Reduction::kNone ? scale.contiguous() : scale.reshape({});
-  if (red == Reduction::kMean) scale = scale.div(denominator.reshape({}).to(at::kFloat));
-  Grads grads = grads_for(p, output_mask);
+  if (red == Reduction::kMean) scale = scale.div(denominator.reshape({}).to(acc));
+  Grads grads = grads_for(p, output_mask, input_in.scalar_type());
   if (output_mask[0] || output_mask[1] || (output_mask[2] && given(p.linear_bias))) {
     run_chunks(p, at::Tensor(), at::Tensor(), lse.contiguous(), scale, grads);
   }
   return finish(std::move(grads), p.input.scalar_type(), p.input.options());
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_meta(
-    const at::Tensor& input, const at::Tensor& linear_weight,
-    const std::optional<at::Tensor>& linear_bias, const at::Tensor& target,
-    const std::optional<at::Tensor>& weight, int64_t ignore_index, double label_smoothing,
-    c10::string_view reduction_view, int64_t chunk_rows, bool with_grad) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+forward_meta(const at::Tensor& input, const at::Tensor& linear_weight,
+             const std::optional<at::Tensor>& linear_bias, const at::Tensor& target,
+             const std::optional<at::Tensor>& weight, int64_t ignore_index,
+             double label_smoothing, c10::string_view reduction_view, int64_t chunk_rows,
+             std::array<bool, 3> grad_mask, bool accurate) {
   const std::string reduction(reduction_view);
   check_args(kForwardOp, input, linear_weight, linear_bias, target, weight, label_smoothing,
              reduction, chunk_rows);
   const Reduction red = parse_reduction(reduction, kForwardOp);
-  const auto f32 = input.options().dtype(at::kFloat);
+  const auto acc = input.options().dtype(acc_dtype(input.scalar_type()));
+  const auto held = input.options().dtype(held_dtype(input.scalar_type()));
   const int64_t n = input.size(0);
   const auto grad_like = [&](const at::Tensor& t, bool want) {
-    return want ? at::empty(t.sizes(), input.options()) : at::empty({0}, input.options());
+    return want ? at::empty(t.sizes(), held) : at::empty({0}, held);
   };
-  return {red == Reduction::kNone ? at::empty({n}, f32) : at::empty({}, f32),
-          at::empty({n}, f32),
-          at::empty({}, f32),
-          grad_like(input, with_grad),
-          grad_like(linear_weight, with_grad),
-          given(linear_bias) ? grad_like(*linear_bias, with_grad) : at::empty({0}, input.options())};
+  return {red == Reduction::kNone ? at::empty({n}, acc) : at::empty({}, acc),
+          at::empty({n}, acc),
+          at::empty({}, acc),
+          grad_like(input, grad_mask[0]),
+          grad_like(linear_weight, grad_mask[1]),
+          given(linear_bias) ? grad_like(*linear_bias, grad_mask[2]) : at::empty({0}, held),
+          at::empty({}, acc)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_meta(
@@ -456,7 +555,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_meta(
     const std::optional<at::Tensor>& linear_bias, const at::Tensor& target,
     const std::optional<at::Tensor>& weight, const at::Tensor& lse, const at::Tensor& denominator,
     int64_t ignore_index, double label_smoothing, c10::string_view reduction_view,
-    int64_t chunk_rows, std::array<bool, 3> output_mask) {
+    int64_t chunk_rows, std::array<bool, 3> output_mask, bool accurate) {
   const std::string reduction(reduction_view);
   check_args(kBackwardOp, input, linear_weight, linear_bias, target, weight, label_smoothing,
              reduction, chunk_rows);
@@ -470,19 +569,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_meta(
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 linear_cross_entropy_forward(const at::Tensor& input, const at::Tensor& linear_weight,
                              const std::optional<at::Tensor>& linear_bias,
                              const at::Tensor& target, const std::optional<at::Tensor>& weight,
                              int64_t ignore_index, double label_smoothing,
-                             const std::string& reduction, int64_t chunk_rows, bool with_grad) {
-  using Fn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+                             const std::string& reduction, int64_t chunk_rows,
+                             std::array<bool, 3> grad_mask, bool accurate) {
+  using Fn = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                        at::Tensor>(
       const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&,
-      const std::optional<at::Tensor>&, int64_t, double, c10::string_view, int64_t, bool);
+      const std::optional<at::Tensor>&, int64_t, double, c10::string_view, int64_t,
+      std::array<bool, 3>, bool);
   static auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow(kForwardOp, "").typed<Fn>();
   return op.call(input, linear_weight, linear_bias, target, weight, ignore_index, label_smoothing,
-                 reduction, chunk_rows, with_grad);
+                 reduction, chunk_rows, grad_mask, accurate);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
@@ -490,15 +592,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
     const std::optional<at::Tensor>& linear_bias, const at::Tensor& target,
     const std::optional<at::Tensor>& weight, const at::Tensor& lse, const at::Tensor& denominator,
     int64_t ignore_index, double label_smoothing, const std::string& reduction,
-    int64_t chunk_rows, std::array<bool, 3> output_mask) {
+    int64_t chunk_rows, std::array<bool, 3> output_mask, bool accurate) {
   using Fn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
       const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
       const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
-      int64_t, double, c10::string_view, int64_t, std::array<bool, 3>);
+      int64_t, double, c10::string_view, int64_t, std::array<bool, 3>, bool);
   static auto op =
       c10::Dispatcher::singleton().findSchemaOrThrow(kBackwardOp, "").typed<Fn>();
   return op.call(grad_loss, input, linear_weight, linear_bias, target, weight, lse, denominator,
-                 ignore_index, label_smoothing, reduction, chunk_rows, output_mask);
+                 ignore_index, label_smoothing, reduction, chunk_rows, output_mask, accurate);
 }
 
 void mm_accumulate_(at::Tensor& out, const at::Tensor& mat1, const at::Tensor& mat2) {

@@ -16,38 +16,47 @@
 
 namespace fusetrain::ops {
 
-/// The forward over chunks of `chunk_rows` rows of `input` [N, H] (the
-/// linear's dtype: float32, float16 or bfloat16) against `linear_weight`
-/// [C, H] and `linear_bias` [C] of the same dtype; `target` int64 [N] class
-/// indices or ignore_index; `weight` (class weights) [C], any float dtype,
-/// used in fp32. Per chunk one GEMM gives the logits, the softmax
-/// cross-entropy runs over them in fp32, and, when `with_grad`, the chunk's
-/// logit gradient feeds the input-gradient GEMM and accumulates the weight
-/// (fp32) and bias gradients. Returns
-///   - loss: float32, [N] for "none", else 0-d (sum, or sum / denominator);
-///   - lse: float32 [N], each row's log-sum-exp (what the backward reuses);
-///   - denominator: float32 0-d, what "mean" divides by (the kept rows, or
-///     with class weights the sum of their targets' weights), 1 otherwise;
-///   - grad_input [N, H], grad_weight [C, H], grad_bias [C] (empty without a
-///     bias): d loss / d each for a loss gradient of 1, in the linear's dtype,
-///     when `with_grad` (only for "mean" and "sum"); else empty.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+/// The forward over chunks of `chunk_rows` rows (<= 0: the rule's,
+/// linear_cross_entropy_chunk_rows) of `input` [N, H] (the linear's dtype:
+/// float32, float64, float16 or bfloat16) against `linear_weight` [C, H] and
+/// `linear_bias` [C] of the same dtype; `target` int64 [N] class indices or
+/// ignore_index; `weight` (class weights) [C], any float dtype. Per chunk one
+/// GEMM gives the logits, the softmax cross-entropy runs over them in fp32
+/// (fp64 for float64), and the chunk's logit gradient feeds the input-gradient
+/// GEMM and accumulates the weight and bias gradients for the gradients
+/// `grad_mask` asks for (input, weight, bias; only for "mean" and "sum").
+/// `accurate`: 16-bit linears computed in float32 (Note [Accumulation
+/// precision] in linear_cross_entropy.cpp). Returns
+///   - loss: float32 (float64 for float64), [N] for "none", else 0-d (sum, or
+///     sum / denominator);
+///   - lse: [N] in the loss's dtype, each row's log-sum-exp (what the
+///     backward reuses);
+///   - denominator: 0-d, what "mean" divides by (the kept rows, or with class
+///     weights the sum of their targets' weights), 1 otherwise;
+///   - grad_input [N, H], grad_weight [C, H], grad_bias [C]: the gradients
+///     asked for (empty tensors otherwise), in the linear's dtype, but
+///     float32 for float16; times `grad_scale` they are d loss / d each for a
+///     loss gradient of 1;
+///   - grad_scale: 0-d, 1 except for float16 GEMMs (1 / denominator there).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 linear_cross_entropy_forward(const at::Tensor& input, const at::Tensor& linear_weight,
                              const std::optional<at::Tensor>& linear_bias,
                              const at::Tensor& target, const std::optional<at::Tensor>& weight,
                              int64_t ignore_index, double label_smoothing,
-                             const std::string& reduction, int64_t chunk_rows, bool with_grad);
+                             const std::string& reduction, int64_t chunk_rows,
+                             std::array<bool, 3> grad_mask, bool accurate);
 
 /// The gradients for `grad_loss` (0-d, or [N] for "none"), recomputing each
 /// chunk's logits from input and weights and its softmax from the forward's
-/// `lse`: (grad_input, grad_weight, grad_bias), each empty where
-/// `output_mask` says it is not needed (grad_bias also without a bias).
+/// `lse`: (grad_input, grad_weight, grad_bias) in the linear's dtype, each
+/// empty where `output_mask` says it is not needed (grad_bias also without a
+/// bias). `chunk_rows` and `accurate` as the forward's.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_backward(
     const at::Tensor& grad_loss, const at::Tensor& input, const at::Tensor& linear_weight,
     const std::optional<at::Tensor>& linear_bias, const at::Tensor& target,
     const std::optional<at::Tensor>& weight, const at::Tensor& lse, const at::Tensor& denominator,
     int64_t ignore_index, double label_smoothing, const std::string& reduction,
-    int64_t chunk_rows, std::array<bool, 3> output_mask);
+    int64_t chunk_rows, std::array<bool, 3> output_mask, bool accurate);
 
 /// out += mat1 @ mat2 with `out` float32 and mat1, mat2 of one dtype
 /// (float32, float16 or bfloat16), accumulated in fp32: on CUDA one cuBLAS

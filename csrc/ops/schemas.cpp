@@ -67,20 +67,24 @@ TORCH_LIBRARY(fusetrain, m) {
   // Chunked linear + cross-entropy (Note [Chunked linear cross-entropy] in
   // csrc/ops/linear_cross_entropy.cpp): the loss of cross_entropy(input @
   // linear_weight^T + linear_bias, target) over chunks of chunk_rows rows,
-  // never holding more than one chunk's logits. The forward returns the loss
-  // (float32), each row's log-sum-exp, what "mean" divides by and, when
-  // with_grad, the gradients for a loss gradient of 1 (else empty tensors);
-  // the backward recomputes each chunk's logits.
+  // never holding more than one chunk's logits. The forward returns the loss,
+  // each row's log-sum-exp, what "mean" divides by and the gradients
+  // grad_mask asks for, which times grad_scale are those of a loss gradient
+  // of 1 (empty tensors for the others); the backward recomputes each
+  // chunk's logits. accurate: 16-bit linears computed in float32 (ops/
+  // linear_cross_entropy.h).
   m.def(
       "linear_cross_entropy_forward(Tensor input, Tensor linear_weight, Tensor? linear_bias, "
       "Tensor target, Tensor? weight, int ignore_index, float label_smoothing, str reduction, "
-      "int chunk_rows, bool with_grad) -> (Tensor loss, Tensor lse, Tensor denominator, "
-      "Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+      "int chunk_rows, bool[3] grad_mask, bool accurate) -> (Tensor loss, Tensor lse, "
+      "Tensor denominator, Tensor grad_input, Tensor grad_weight, Tensor grad_bias, "
+      "Tensor grad_scale)");
   m.def(
       "linear_cross_entropy_backward(Tensor grad_loss, Tensor input, Tensor linear_weight, "
       "Tensor? linear_bias, Tensor target, Tensor? weight, Tensor lse, Tensor denominator, "
       "int ignore_index, float label_smoothing, str reduction, int chunk_rows, "
-      "bool[3] output_mask) -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+      "bool[3] output_mask, bool accurate) -> (Tensor grad_input, Tensor grad_weight, "
+      "Tensor grad_bias)");
 
   // Max pooling over non-overlapping windows (stride = kernel_size, no
   // padding, floor mode) of [N, C, H, W]: out (the input's dtype and memory

@@ -135,21 +135,22 @@ PYBIND11_MODULE(_C, m) {
         [](const at::Tensor& input, const at::Tensor& linear_weight, const at::Tensor& target,
            const std::optional<at::Tensor>& linear_bias, const std::optional<at::Tensor>& weight,
            const std::string& reduction, int64_t ignore_index, double label_smoothing,
-           int64_t batch_chunk_size, bool gradients_in_forward) {
-          fusetrain::nn::LinearCrossEntropyFuncOptions o;
-          o.linear_bias = linear_bias.value_or(at::Tensor());
-          o.weight = weight.value_or(at::Tensor());
-          o.reduction = reduction;
-          o.ignore_index = ignore_index;
-          o.label_smoothing = label_smoothing;
-          // -1: unset (the default rule, fusetrain::ops::linear_cross_entropy_chunk_rows).
-          if (batch_chunk_size > 0) o.options.batch_chunk_size = batch_chunk_size;
-          o.options.gradients_in_forward = gradients_in_forward;
-          return fusetrain::nn::linear_cross_entropy(input, linear_weight, target, o);
+           int64_t chunk_rows, bool accurate, bool allow_retain_graph, bool reference_autograd,
+           bool gradients_in_forward) {
+          fusetrain::nn::ChunkedPlan plan;
+          plan.chunk_rows = chunk_rows;  // <= 0: the rule's
+          plan.accurate = accurate;
+          plan.allow_retain_graph = allow_retain_graph;
+          plan.reference_autograd = reference_autograd;
+          plan.gradients_in_forward = gradients_in_forward;
+          return fusetrain::nn::linear_cross_entropy_chunked(
+              input, linear_weight, linear_bias.value_or(at::Tensor()), target,
+              weight.value_or(at::Tensor()), reduction, ignore_index, label_smoothing, plan);
         },
         py::arg("input"), py::arg("linear_weight"), py::arg("target"), py::arg("linear_bias"),
         py::arg("weight"), py::arg("reduction"), py::arg("ignore_index"),
-        py::arg("label_smoothing"), py::arg("batch_chunk_size"),
+        py::arg("label_smoothing"), py::arg("chunk_rows"), py::arg("accurate"),
+        py::arg("allow_retain_graph"), py::arg("reference_autograd"),
         py::arg("gradients_in_forward"));
   m.def("linear_cross_entropy_chunk_rows",
         [](int64_t rows, int64_t in_features, int64_t classes, py::object dtype,

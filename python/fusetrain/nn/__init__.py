@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -74,28 +75,37 @@ class CrossEntropyLoss(torch.nn.CrossEntropyLoss):
         )
 
 
-class LinearCrossEntropyLoss(torch.nn.Module):
-    """torch 2.13's ``torch.nn.LinearCrossEntropyLoss``: a ``Linear(in_features,
-    num_classes, bias)`` (``self.linear``) and the cross-entropy of its output,
-    computed by :func:`fusetrain.nn.functional.linear_cross_entropy` without
-    holding the logits. The class ``weight`` is a buffer (``self.weight``,
-    None when not given), as in ``CrossEntropyLoss``; the state-dict keys are
-    ``linear.weight``, ``linear.bias`` and ``weight``.
+# On torch 2.13+ a subclass of torch's own module (isinstance checks hold);
+# on 2.11 and 2.12 of the same base torch's has.
+_LinearCrossEntropyLossBase = getattr(torch.nn, "LinearCrossEntropyLoss", torch.nn.modules.loss._WeightedLoss)
 
-    ``in_features`` and ``num_classes`` size the linear; ``bias`` (default
-    False), ``device`` and ``dtype`` are its ``nn.Linear`` arguments.
-    ``reduction`` (``"mean"``, default, ``"sum"`` or ``"none"``),
-    ``ignore_index`` (default None: -100) and ``label_smoothing`` (in [0, 1],
-    default 0) are the loss's, checked at the first call; ``options`` is a
-    :class:`~fusetrain.nn.functional.LinearCrossEntropyOptions` (default
-    None: the chunked path), all as
-    :func:`fusetrain.nn.functional.linear_cross_entropy` takes them."""
+
+class LinearCrossEntropyLoss(_LinearCrossEntropyLossBase):
+    """torch's ``torch.nn.LinearCrossEntropyLoss`` (2.13+), computed by
+    :func:`fusetrain.nn.functional.linear_cross_entropy`: the same
+    constructor, attributes (``num_classes``, ``out_features``,
+    ``reduction``, ``ignore_index``, ``label_smoothing``, ``options``),
+    parameters and buffers (``linear.weight`` [C * prod(out_features),
+    in_features], ``linear.bias`` when ``bias``, the class ``weight``
+    buffer), state dict and repr; a subclass of torch's where torch has it.
+
+    ``in_features`` the input's size; ``num_classes`` C; ``out_features``
+    (d1, ..., dK) of a K-dimensional loss (default ``()``); ``bias``
+    (default False), ``device``, ``dtype`` the linear's; ``weight`` class
+    weights of shape (C,) and ``label_smoothing`` in [0, 1], both checked
+    here (RuntimeError, as torch); ``reduction``, ``ignore_index`` (None:
+    -100) and ``options`` (None: fusetrain's chunked path; a
+    :class:`~fusetrain.nn.functional.LinearCrossEntropyOptions`: torch's
+    chunked-path semantics) as the functional takes them."""
+
+    __constants__ = ["num_classes", "out_features", "reduction", "ignore_index", "label_smoothing"]
 
     def __init__(
         self,
         in_features: int,
         num_classes: int,
         *,
+        out_features: tuple = (),
         bias: bool = False,
         device=None,
         dtype=None,
@@ -105,22 +115,35 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         label_smoothing: float = 0.0,
         options: Optional[LinearCrossEntropyOptions] = None,
     ) -> None:
-        super().__init__()
-        self.linear = torch.nn.Linear(in_features, num_classes, bias=bias, device=device, dtype=dtype)
-        self.register_buffer("weight", weight)
-        self.reduction = reduction
+        # torch's checks and words.
+        if weight is not None and weight.shape != (num_classes,):
+            raise RuntimeError(f"expected weight shape to be {(num_classes,)}, got {tuple(weight.shape)}")
+        if label_smoothing < 0 or label_smoothing > 1.0:
+            raise RuntimeError(f"expected label_smoothing to be in range [0, 1], got {label_smoothing}")
+        torch.nn.modules.loss._WeightedLoss.__init__(self, weight=weight, size_average=None, reduce=None,
+                                                     reduction=reduction)
+        self.num_classes = num_classes
+        self.out_features = out_features
         self.ignore_index = ignore_index
         self.label_smoothing = label_smoothing
+        # Linear has 2-D weights: K-dimensional ones are stored flat and
+        # reshaped in forward, as torch's.
+        self.linear = torch.nn.Linear(in_features, math.prod(out_features, start=num_classes), bias=bias,
+                                      device=device, dtype=dtype)
         self.options = options
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The loss of ``self.linear(input)`` (``input`` [..., in_features])
-        for the class indices ``target`` [...], without holding the logits."""
+        """The loss of ``self.linear(input)`` (``input`` [in_features] or
+        [N, in_features]) for ``target``, without holding the logits."""
+        linear_weight = self.linear.weight.reshape((self.num_classes, *self.out_features,
+                                                    self.linear.in_features))
+        linear_bias = (None if self.linear.bias is None
+                       else self.linear.bias.reshape((self.num_classes, *self.out_features)))
         return linear_cross_entropy(
             input,
-            self.linear.weight,
+            linear_weight,
             target,
-            linear_bias=self.linear.bias,
+            linear_bias=linear_bias,
             weight=self.weight,
             reduction=self.reduction,
             ignore_index=self.ignore_index,
@@ -129,9 +152,17 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         )
 
     def extra_repr(self) -> str:
-        """The sizes, ``bias`` and ``reduction``."""
-        return (f"in_features={self.linear.in_features}, num_classes={self.linear.out_features}, "
-                f"bias={self.linear.bias is not None}, reduction={self.reduction!r}")
+        """torch's: the sizes and every loss argument."""
+        return (
+            f"in_features={self.linear.in_features},"
+            f" num_classes={self.num_classes},"
+            f" out_features={self.out_features},"
+            f" bias={self.linear.bias is not None},"
+            f" reduction={self.reduction},"
+            f" ignore_index={self.ignore_index},"
+            f" label_smoothing={self.label_smoothing},"
+            f" options={self.options}"
+        )
 
 
 class BatchNormReLU2d(torch.nn.BatchNorm2d):

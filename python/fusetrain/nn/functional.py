@@ -16,6 +16,7 @@ rather than computing something else.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Optional
 
@@ -255,39 +256,140 @@ cross_entropy = softmax_cross_entropy
 # ------------------------------------------------- linear + cross-entropy
 
 
-@dataclasses.dataclass
-class LinearCrossEntropyOptions:
-    """How :func:`linear_cross_entropy` computes (torch 2.13's
-    ``torch.nn.LinearCrossEntropyOptions`` fields, and one of ours).
+def _torch_acc_policies() -> tuple:
+    """The acc_policy values the environment's torch accepts (2.13 also had
+    "balanced"; 2.14 dropped it); torch 2.15's where torch has none."""
+    torch_options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+    if torch_options is None:
+        return ("auto", "accurate", "compact")
+    try:
+        torch_options(acc_policy="balanced")
+    except ValueError:
+        return ("auto", "accurate", "compact")
+    return ("auto", "accurate", "balanced", "compact")
 
-    ``batch_chunk_size``: rows per chunk; None chooses it so that a chunk's
-    logits and their gradient take about the memory of the input itself, and
-    at least 64 MiB, in multiples of 64 rows; and at least 512 rows (2048 on
-    CUDA), so that a chunk's GEMMs outweigh its pass over the fp32 weight
-    gradient (read and written once a chunk: a CPU's fp32 run at 50257
-    classes is 11% faster at 512 rows than at the 128 the memory rule gives;
-    below ~1200 rows that traffic, not the tensor cores, sets an H100's pace).
-    ``chunking_method``: ``"auto"`` takes the chunked path wherever it
-    applies (class-index targets, a [classes] bias); ``"none"`` is the
-    reference, ``F.cross_entropy(F.linear(...))``, holding every logit.
+
+_VALID_ACC_POLICIES = _torch_acc_policies()
+_ACC_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class LinearCrossEntropyOptions:
+    """How :func:`linear_cross_entropy` computes: torch's
+    ``torch.nn.LinearCrossEntropyOptions``, field for field (a torch instance
+    is accepted too), and one field of ours. Passing it asks for torch's
+    chunked-path semantics; ``options=None`` is fusetrain's chunked path
+    (torch's default is its reference, see :func:`linear_cross_entropy`).
+
+    ``allow_retain_graph``: a second ``backward()`` through a "mean" or "sum"
+    loss keeps working (the gradients computed in the forward are kept, one
+    more gradient-sized allocation a call); False: it raises, as torch's.
+    ``batch_chunk_size``: rows per chunk (None: ``chunking_method``'s, or
+    one chunk when that is None too).
+    ``chunking_method``: ``"auto"`` (fusetrain's rule, chosen by
+    measurement: a chunk's logits and their gradient about the memory of the
+    input, at least 64 MiB and 512 rows, 2048 on CUDA; an explicit
+    ``batch_chunk_size`` wins), ``"aspect_ratio"`` / ``"aspect_ratio:N"``
+    (torch's: chunks whose logits match the input in memory, divided by N)
+    or None (``batch_chunk_size`` alone). Given both and they disagree:
+    ValueError at the call, as torch.
+    ``acc_policy``: ``"auto"`` (``"accurate"`` for float16/bfloat16 on the
+    CPU, ``"compact"`` elsewhere), ``"accurate"`` (16-bit inputs computed in
+    float32: logits, their gradient and the GEMMs) or ``"compact"`` (in the
+    inputs' dtype, as eager PyTorch; the weight gradient summed in float32
+    either way).
+    ``acc_dtype``: None (float32 for 16-bit inputs under ``"auto"``, else the
+    input's dtype), float32 for 16-bit inputs, or the input's own dtype
+    (computed as ``"compact"``).
     ``gradients_in_forward`` (ours): for "mean" and "sum" losses that need
     gradients, compute them in the forward pass (three GEMMs a chunk, the
-    input and weight gradients held until the backward) rather than
-    recomputing each chunk's logits in the backward (four GEMMs)."""
+    gradients held until the backward) rather than recomputing each chunk's
+    logits in the backward (four GEMMs)."""
 
+    allow_retain_graph: bool = False
     batch_chunk_size: Optional[int] = None
-    chunking_method: str = "auto"
+    chunking_method: Optional[str] = "auto"
+    acc_policy: str = "auto"
+    acc_dtype: Optional[torch.dtype] = None
     gradients_in_forward: bool = True
 
     def __post_init__(self) -> None:
-        if self.chunking_method not in ("auto", "none"):
+        # torch's checks and words.
+        if self.acc_policy not in _VALID_ACC_POLICIES:
             raise ValueError(
-                f'LinearCrossEntropyOptions: chunking_method must be "auto" or "none", got {self.chunking_method!r}'
+                f"invalid acc_policy: {self.acc_policy!r}; expected one of "
+                f"{', '.join(map(repr, _VALID_ACC_POLICIES))}"
             )
-        if self.batch_chunk_size is not None and int(self.batch_chunk_size) < 1:
+        if self.chunking_method is not None and self.chunking_method != "auto":
+            name, sep, factor = str(self.chunking_method).partition(":")
+            if not sep:
+                factor = "1"
+            if not (name == "aspect_ratio" and factor.isdigit() and int(factor) > 0):
+                raise ValueError(f"invalid chunking_method: {self.chunking_method!r}")
+        if not (self.batch_chunk_size is None
+                or (isinstance(self.batch_chunk_size, int) and self.batch_chunk_size > 0)):
+            raise ValueError(f"batch_chunk_size must be positive int or None, got {self.batch_chunk_size!r}")
+        if self.acc_dtype is not None and self.acc_dtype not in _ACC_DTYPES:
             raise ValueError(
-                f"LinearCrossEntropyOptions: batch_chunk_size must be at least 1, got {self.batch_chunk_size}"
+                f"acc_dtype must be one of {{None, torch.float16, torch.bfloat16, "
+                f"torch.float32, torch.float64}}, got {self.acc_dtype!r}. Pass "
+                "acc_dtype=None to let the op pick automatically."
             )
+
+    def _plan(self, num_batches: int, in_features: int, num_classes: int, dtype: torch.dtype,
+              device_type: str) -> tuple:
+        """(rows per chunk, 0 for fusetrain's rule; whether 16-bit inputs
+        compute in float32) for one call: torch's ``_adjust``, with "auto"
+        chunking fusetrain's rule (fusetrain::nn's resolve, the C++ face's)."""
+        sixteen = dtype in (torch.float16, torch.bfloat16)
+        policy = self.acc_policy
+        if policy == "auto":
+            policy = "accurate" if device_type == "cpu" and sixteen else "compact"
+        if self.acc_dtype is not None:
+            acc = self.acc_dtype
+        elif self.acc_policy == "auto" and sixteen and device_type in ("cpu", "cuda"):
+            acc = torch.float32
+        else:
+            acc = dtype
+        if acc != dtype and not (sixteen and acc == torch.float32):
+            raise RuntimeError(
+                "linear_cross_entropy supports float32 acc_dtype with float16/bfloat16 inputs, "
+                f"but got {acc} acc_dtype and {dtype} inputs."
+            )
+        accurate = sixteen and acc == torch.float32 and policy in ("accurate", "balanced")
+        method = self.chunking_method
+        if method == "auto":
+            chunk = 0 if self.batch_chunk_size is None else max(1, min(self.batch_chunk_size, num_batches))
+        elif method is not None:
+            factor = int(method.split(":", 1)[1]) if ":" in method else 1
+            ratio = -(-num_classes // max(in_features, 1))
+            target = -(-num_batches // max(ratio, 1))
+            chunk = min((1 << (target - 1).bit_length()) // factor, num_batches)
+            if self.batch_chunk_size is not None and self.batch_chunk_size != chunk:
+                raise ValueError(
+                    f"batch_chunk_size (={self.batch_chunk_size}) and chunking_method ('{method}') give "
+                    f"different chunk sizes ({self.batch_chunk_size} vs {chunk}); pass only one."
+                )
+            chunk = max(1, chunk)
+        else:
+            chunk = max(1, num_batches if self.batch_chunk_size is None
+                        else min(self.batch_chunk_size, num_batches))
+        return chunk, accurate
+
+
+def _our_options(options) -> LinearCrossEntropyOptions:
+    """``options`` as ours: a torch ``LinearCrossEntropyOptions`` (or any
+    object with its fields) converted field by field."""
+    if isinstance(options, LinearCrossEntropyOptions):
+        return options
+    fields = ("allow_retain_graph", "batch_chunk_size", "chunking_method", "acc_policy", "acc_dtype",
+              "gradients_in_forward")
+    if not all(hasattr(options, f) for f in fields[:5]):
+        raise TypeError(
+            "linear_cross_entropy: options must be a LinearCrossEntropyOptions (fusetrain's or torch's) "
+            f"or None, got {type(options).__name__}"
+        )
+    return LinearCrossEntropyOptions(**{f: getattr(options, f) for f in fields if hasattr(options, f)})
 
 
 _LCE_FORWARD = torch.ops.fusetrain.linear_cross_entropy_forward.default
@@ -308,61 +410,54 @@ def _lce_chunk_rows(rows: int, in_features: int, classes: int, dtype: torch.dtyp
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """The two chunked ops as one autograd node (what dynamo traces; eager
-    calls take the C++ twin, fusetrain::nn::linear_cross_entropy)."""
+    calls take the C++ twin, fusetrain::nn::linear_cross_entropy_chunked).
+    The gradients computed in the forward are kept for every backward (under
+    torch.compile torch's own forces allow_retain_graph too)."""
 
     @staticmethod
     def forward(ctx, input, linear_weight, linear_bias, target, weight, ignore_index, label_smoothing,
-                reduction, chunk_rows, with_grad):
-        loss, lse, denominator, gi, gw, gb = _LCE_FORWARD(
+                reduction, chunk_rows, accurate, grad_mask):
+        loss, lse, denominator, gi, gw, gb, grad_scale = _LCE_FORWARD(
             input, linear_weight, linear_bias, target, weight, ignore_index, label_smoothing, reduction,
-            chunk_rows, with_grad,
+            chunk_rows, grad_mask, accurate,
         )
-        ctx.with_grad = with_grad
+        ctx.held = any(grad_mask)
         ctx.has_bias = linear_bias is not None
-        if with_grad:
-            # The gradients for a loss gradient of 1: the backward rescales them.
-            ctx.save_for_backward(gi, gw, gb)
+        ctx.dtype = input.dtype
+        if ctx.held:
+            # The gradients for a loss gradient of 1 / grad_scale: the backward rescales them.
+            ctx.save_for_backward(gi, gw, gb, grad_scale)
         else:
             ctx.save_for_backward(input, linear_weight, linear_bias, target, weight, lse, denominator)
-            ctx.args = (ignore_index, label_smoothing, reduction, chunk_rows)
+            ctx.args = (ignore_index, label_smoothing, reduction, chunk_rows, accurate)
         return loss
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_loss):
-        if torch.is_grad_enabled():
-            # create_graph=True: the gradients' own gradient through this
-            # loss would silently be zero.
-            raise RuntimeError(
-                "linear_cross_entropy: double backward is not supported (the op is once "
-                "differentiable); use F.cross_entropy(F.linear(...)) where second-order "
-                "gradients are needed"
-            )
         need = ctx.needs_input_grad
-        if ctx.with_grad:
-            gi, gw, gb = ctx.saved_tensors
-            g = grad_loss.reshape(())
-            return (gi * g if need[0] else None, gw * g if need[1] else None,
-                    gb * g if need[2] and ctx.has_bias else None) + (None,) * 7
+        if ctx.held:
+            gi, gw, gb, grad_scale = ctx.saved_tensors
+            g = grad_loss.reshape(()).to(grad_scale.dtype) * grad_scale
+            return (((gi * g).to(ctx.dtype) if need[0] else None),
+                    ((gw * g).to(ctx.dtype) if need[1] else None),
+                    ((gb * g).to(ctx.dtype) if need[2] and ctx.has_bias else None)) + (None,) * 8
         input, linear_weight, linear_bias, target, weight, lse, denominator = ctx.saved_tensors
-        ignore_index, label_smoothing, reduction, chunk_rows = ctx.args
+        ignore_index, label_smoothing, reduction, chunk_rows, accurate = ctx.args
         mask = [need[0], need[1], need[2] and ctx.has_bias]
         gi, gw, gb = _LCE_BACKWARD(grad_loss, input, linear_weight, linear_bias, target, weight, lse,
-                                   denominator, ignore_index, label_smoothing, reduction, chunk_rows, mask)
-        return (gi if mask[0] else None, gw if mask[1] else None, gb if mask[2] else None) + (None,) * 7
+                                   denominator, ignore_index, label_smoothing, reduction, chunk_rows, mask,
+                                   accurate)
+        return (gi if mask[0] else None, gw if mask[1] else None, gb if mask[2] else None) + (None,) * 8
 
 
-def _reference_linear_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction,
-                                    ignore_index, label_smoothing):
-    """F.cross_entropy(F.linear(...)) with the leading dimensions of input as rows."""
-    logits = torch.nn.functional.linear(input, linear_weight, linear_bias)
-    if input.dim() == 1:
-        return torch.nn.functional.cross_entropy(logits, target, weight=weight, ignore_index=ignore_index,
-                                                 reduction=reduction, label_smoothing=label_smoothing)
-    rows = logits.reshape(-1, logits.shape[-1])
-    flat_target = target.reshape(-1, target.shape[-1]) if target.is_floating_point() else target.reshape(-1)
-    loss = torch.nn.functional.cross_entropy(rows, flat_target, weight=weight, ignore_index=ignore_index,
-                                             reduction=reduction, label_smoothing=label_smoothing)
-    return loss.reshape(input.shape[:-1]) if reduction == "none" else loss
+def _shape(shape) -> tuple:
+    return tuple(int(s) for s in shape)
+
+
+# The C++ names torch's GEMM dtype check prints.
+_GEMM_DTYPE_NAMES = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
+                     torch.bfloat16: "c10::BFloat16"}
 
 
 def linear_cross_entropy(
@@ -377,67 +472,110 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     options: Optional[LinearCrossEntropyOptions] = None,
 ) -> torch.Tensor:
-    """``F.cross_entropy(F.linear(input, linear_weight, linear_bias), target,
-    ...)`` without holding the logits: torch 2.13's
-    ``torch.nn.functional.linear_cross_entropy``, on torch 2.11.
+    """``torch.nn.functional.linear_cross_entropy`` (torch 2.13+), on every
+    torch fusetrain supports: ``F.cross_entropy(F.linear(input,
+    linear_weight, linear_bias), target, ...)`` without holding the logits.
 
-    ``input`` [..., in_features] (its leading dimensions are the rows),
-    ``linear_weight`` [classes, in_features], ``linear_bias`` [classes] or
-    None, all of one floating dtype (under autocast they are cast to its
-    dtype, as ``F.linear``'s would be); ``target`` [...] class indices.
-    ``weight``, ``reduction``, ``label_smoothing``: ``F.cross_entropy``'s;
-    ``ignore_index`` None means -100, as torch maps it. ``options``
-    (:class:`LinearCrossEntropyOptions`): None takes the chunked path, unlike
-    torch 2.13's reference default (the values are the same; memory and speed
-    are why this function exists). The rows go in chunks (Note [Chunked
-    linear cross-entropy] in ``csrc/ops/linear_cross_entropy.cpp``): one GEMM
-    each for its logits, the fused cross-entropy in fp32, the gradients
-    accumulated in fp32. The loss has the linear's dtype (float32 under
-    autocast, whose cross_entropy runs in float32). Class-probability
-    targets take the reference path with a warning. Double backward raises.
+    The same arguments, defaults, shapes and errors as torch's: ``input``
+    [in_features] or [N, in_features]; ``linear_weight`` [C, in_features] or
+    [C, d1, ..., dK, in_features] (K-dimensional loss, targets [N, d1, ...]);
+    ``linear_bias`` of its leading shape; ``target`` class indices (int64 or
+    uint8) or class probabilities of the logits' shape; ``weight`` class
+    weights [C]; ``reduction`` "mean", "sum" or "none"; ``ignore_index``
+    None means -100 (and must stay None with probabilities);
+    ``label_smoothing`` in [0, 1]. float32, float64, float16 and bfloat16;
+    under autocast the linear runs in its dtype, as ``F.linear`` would, and
+    the loss is float32 (torch's chunked path ignores autocast). The loss has
+    the input's dtype otherwise.
+
+    ``options``: a :class:`LinearCrossEntropyOptions` (or torch's) asks for
+    torch's chunked-path semantics (its ``acc_policy``, chunking and
+    ``allow_retain_graph``). ``options=None`` differs from torch on purpose:
+    where torch then computes the reference (every logit held), fusetrain
+    takes its chunked path too, at eager PyTorch's precision (16-bit GEMMs
+    for 16-bit inputs; float16 on the CPU in float32), with the reference's
+    autograd: ``retain_graph=True`` and double backward work (a second
+    backward recomputes; ``create_graph=True`` builds the reference's
+    graph). Class probabilities and K-dimensional weights take the reference
+    (with a warning when ``options`` was given). Rows go in chunks (Note
+    [Chunked linear cross-entropy] in ``csrc/ops/linear_cross_entropy.cpp``):
+    one GEMM each for the logits, the fused cross-entropy in fp32, the
+    gradients summed in fp32, only those that are needed.
     """
-    options = LinearCrossEntropyOptions() if options is None else options
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f'linear_cross_entropy: reduction must be "mean", "sum" or "none", got "{reduction}"')
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"linear_cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
-    ignore_index = -100 if ignore_index is None else int(ignore_index)
     if _dtensor.any_dtensor((input, target, linear_weight, linear_bias, weight)):
         if _dtensor.is_dtensor(weight):
             weight = weight.full_tensor()  # (class weights: [classes], not trained)
+        ignore = -100 if ignore_index is None else int(ignore_index)
         return _sharded_loss(
-            "linear_cross_entropy", input, target, reduction, ignore_index, weight,
+            "linear_cross_entropy", input, target, reduction, ignore, weight,
             lambda d: d if d < input.dim() - 1 else None,
-            lambda x, t, r, grad_placements: linear_cross_entropy(
+            lambda x, t, r, grad_placements: _local_rows_loss(
                 x, _replicated_local(linear_weight, input, grad_placements), t,
                 linear_bias=_replicated_local(linear_bias, input, grad_placements), weight=weight,
                 reduction=r, ignore_index=ignore_index, label_smoothing=label_smoothing, options=options),
         )
-    if options.chunking_method == "none" or target.is_floating_point():
-        if target.is_floating_point() and options.chunking_method != "none":
+    # torch's checks, in its order and words.
+    if input.dim() < 1 or input.dim() > 2:
+        raise RuntimeError(f"expected input with dimensionality 1 or 2, got {input.dim()}")
+    if linear_weight.dim() < 2:
+        raise RuntimeError(f"expected linear_weight with dimensionality at least 2, got {linear_weight.dim()}")
+    in_features = input.shape[-1]
+    if in_features != linear_weight.shape[-1]:
+        raise RuntimeError(
+            "expected equal input and linear_weight last dimensions (in_features), "
+            f"got {input.shape[-1]} and {linear_weight.shape[-1]}, respectively"
+        )
+    num_classes = linear_weight.shape[0]
+    out_features = _shape(linear_weight.shape[1:-1])
+    if linear_bias is not None and _shape(linear_bias.shape) != (num_classes, *out_features):
+        raise RuntimeError(
+            f"expected linear_bias shape {(num_classes, *out_features)}, got {_shape(linear_bias.shape)}"
+        )
+    if out_features and input.dim() == 1:
+        raise RuntimeError(
+            f"K-dimensional loss defined by linear_weight shape {_shape(linear_weight.shape)} requires"
+            f" batched input, (N, {in_features}), got unbatched input with shape {_shape(input.shape)}"
+        )
+    logits_shape = (*_shape(input.shape[:-1]), num_classes, *out_features)
+    probabilities = _shape(target.shape) == logits_shape
+    if probabilities and ignore_index is not None:
+        raise RuntimeError("ignore_index cannot be specified when target contains probabilities")
+    ignore_index = -100 if ignore_index is None else int(ignore_index)
+    if options is not None:
+        options = _our_options(options)
+    chunkable = not probabilities and not out_features and not torch.jit.is_tracing()
+    if not chunkable:
+        if options is not None:
             warnings.warn(
-                "linear_cross_entropy: class-probability targets take the reference path "
-                "(F.cross_entropy(F.linear(...)), every logit held); the chunked path takes class indices",
+                "linear_cross_entropy: ``options`` ignored; the chunked path needs class-index targets, "
+                f"out_features == () and no tracing. Got out_features={out_features}, a probability "
+                f"target: {probabilities}, tracing={torch.jit.is_tracing()}. The reference computes it, "
+                "holding the logits.",
                 stacklevel=2,
             )
         return _reference_linear_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction,
-                                               ignore_index, label_smoothing)
-    if input.dim() == 0:
-        raise ValueError("linear_cross_entropy: input must have a feature dimension, got a 0-d tensor")
-    if tuple(target.shape) != tuple(input.shape[:-1]):
+                                               ignore_index, label_smoothing, logits_shape)
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise RuntimeError(f"label_smoothing must be between 0.0 and 1.0. Got: {label_smoothing:g}")
+    if target.dtype not in (torch.int64, torch.uint8):
+        name = str(target.dtype).removeprefix("torch.")
+        names = {"float32": "Float", "float64": "Double", "float16": "Half", "bfloat16": "BFloat16",
+                 "int32": "Int", "int16": "Short", "int8": "Char", "bool": "Bool"}
+        raise RuntimeError(f"expected target dtype to be Long or Byte, but got {names.get(name, name)}")
+    if input.dim() == 2 and (target.dim() != 1 or target.shape[0] != input.shape[0]):
         raise ValueError(
-            f"linear_cross_entropy: input of shape {tuple(input.shape)} needs target of shape "
-            f"{tuple(input.shape[:-1])} (its leading dimensions), got {tuple(target.shape)}"
+            f"Expected input batch_size ({input.shape[0]}) to match target batch_size "
+            f"({target.shape[0] if target.dim() else 0})."
         )
-    if target.dtype == torch.bool or target.is_complex():
-        raise TypeError(f"linear_cross_entropy: target must hold integer class indices, got {target.dtype}")
-    chunk = options.batch_chunk_size
-    if not torch.compiler.is_compiling():
-        return _C.linear_cross_entropy(
-            input, linear_weight, target, linear_bias, weight, reduction, ignore_index, float(label_smoothing),
-            -1 if chunk is None else int(chunk), bool(options.gradients_in_forward),
+    if input.dim() == 1 and target.dim() != 0:
+        raise RuntimeError("0D or 1D target tensor expected, multi-target not supported")
+    if weight is not None and (weight.dim() != 1 or weight.numel() != num_classes):
+        raise RuntimeError(
+            f"weight tensor should be defined either for all {num_classes} classes or no classes but got "
+            f"weight tensor of shape: {list(weight.shape)}"
         )
-    # Dynamo traces this path into the two ops (the C++ Function is opaque to it).
     x, w, b = input, linear_weight, linear_bias
     device_type = input.device.type
     # (Meta tensors have no autocast state to ask about.)
@@ -446,21 +584,62 @@ def linear_cross_entropy(
         dtype = torch.get_autocast_dtype(device_type)
         x, w = x.to(dtype), w.to(dtype)
         b = None if b is None else b.to(dtype)
-    if linear_weight.dim() != 2 or x.shape[-1] != linear_weight.shape[1]:
+    if x.dtype != w.dtype:
         raise RuntimeError(
-            f"linear_cross_entropy: input of shape {tuple(input.shape)} and linear_weight of shape "
-            f"{tuple(linear_weight.shape)} do not agree in in_features"
+            "expected m1 and m2 to have the same dtype, but got: "
+            f"{_GEMM_DTYPE_NAMES.get(x.dtype, x.dtype)} != {_GEMM_DTYPE_NAMES.get(w.dtype, w.dtype)}"
         )
-    rows = x.reshape(-1, x.shape[-1])
-    if chunk is None:
-        chunk = _lce_chunk_rows(rows.shape[0], rows.shape[1], linear_weight.shape[0], x.dtype, device_type)
-    with_grad = (options.gradients_in_forward and reduction != "none" and torch.is_grad_enabled()
-                 and (x.requires_grad or w.requires_grad or (b is not None and b.requires_grad)))
-    loss = _LinearCrossEntropy.apply(rows, w, b, target.reshape(-1).long(), weight, ignore_index,
-                                     float(label_smoothing), reduction, int(chunk), with_grad)
+    if x.dtype not in _GEMM_DTYPE_NAMES:
+        raise RuntimeError(f"linear_cross_entropy: input must be float32, float64, float16 or bfloat16, got {x.dtype}")
+    rows = x.unsqueeze(0) if x.dim() == 1 else x
+    if options is None:
+        chunk, accurate = 0, x.dtype == torch.float16 and device_type == "cpu"
+        allow_retain_graph, reference_autograd, in_forward = False, True, True
+    else:
+        chunk, accurate = options._plan(rows.shape[0], in_features, num_classes, x.dtype, device_type)
+        allow_retain_graph, reference_autograd = options.allow_retain_graph, False
+        in_forward = options.gradients_in_forward
+    flat_target = target.reshape(-1).long()
+    if not torch.compiler.is_compiling():
+        loss = _C.linear_cross_entropy(rows, w, flat_target, b, weight, reduction, ignore_index,
+                                       float(label_smoothing), int(chunk), bool(accurate),
+                                       bool(allow_retain_graph), bool(reference_autograd), bool(in_forward))
+    else:
+        # Dynamo traces this path into the two ops (the C++ Function is opaque to it).
+        if chunk <= 0:
+            compute = torch.float32 if accurate else x.dtype
+            chunk = _lce_chunk_rows(rows.shape[0], in_features, num_classes, compute, device_type)
+        grad = in_forward and reduction != "none" and torch.is_grad_enabled()
+        mask = [grad and x.requires_grad, grad and w.requires_grad, grad and b is not None and b.requires_grad]
+        loss = _LinearCrossEntropy.apply(rows, w, b, flat_target, weight, ignore_index, float(label_smoothing),
+                                         reduction, int(chunk), bool(accurate), mask)
     if reduction == "none":
         loss = loss.reshape(target.shape)
     return loss.to(torch.float32 if autocast else x.dtype)
+
+
+def _local_rows_loss(x, linear_weight, target, *, reduction, **kw):
+    """A DTensor's local rows: [..., in_features] flattened to the [N,
+    in_features] torch's function takes (a DTensor input may keep its batch
+    and sequence dimensions, sharded on either)."""
+    if x.dim() <= 2:
+        return linear_cross_entropy(x, linear_weight, target, reduction=reduction, **kw)
+    loss = linear_cross_entropy(x.reshape(-1, x.shape[-1]), linear_weight, target.reshape(-1),
+                                reduction=reduction, **kw)
+    return loss.reshape(target.shape) if reduction == "none" else loss
+
+
+def _reference_linear_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction,
+                                    ignore_index, label_smoothing, logits_shape):
+    """torch's reference: F.cross_entropy of every logit, the K dimensions
+    of a K-dimensional weight after the classes."""
+    in_features = input.shape[-1]
+    flat = math.prod(logits_shape[input.dim() - 1:])
+    w = linear_weight.reshape(flat, in_features)
+    b = None if linear_bias is None else linear_bias.reshape(flat)
+    logits = torch.nn.functional.linear(input, w, b).reshape(logits_shape)
+    return torch.nn.functional.cross_entropy(logits, target, weight=weight, reduction=reduction,
+                                             ignore_index=ignore_index, label_smoothing=label_smoothing)
 
 
 def _replicated_local(weight, input, grad_placements):
