@@ -229,6 +229,9 @@ class LinearCrossEntropyFunction
                   "linear_cross_entropy chunked backward called twice; retain_graph=True / "
                   "double backward are not supported.");
     }
+    // Once differentiable with options given, as torch's chunked path: no
+    // graph for the gradients even under create_graph.
+    const at::NoGradGuard no_grad;
     std::tie(gi, gw, gb) = ops::linear_cross_entropy_backward(
         grad_loss, saved[0], saved[1], optional(saved[2]), saved[3], optional(saved[4]),
         saved[5], saved[6], ignore_index, label_smoothing, reduction,

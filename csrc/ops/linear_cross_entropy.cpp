@@ -467,7 +467,10 @@ forward_generic(const at::Tensor& input_in, const at::Tensor& linear_weight_in,
   at::Tensor scale, grad_scale;
   if (with_grad) {
     scale = per_row ? at::ones({}, acc) : at::reciprocal(denominator);
-    grad_scale = per_row ? at::reciprocal(denominator) : at::ones({}, acc);
+    // (No kept row, denominator 0: the held gradients are zeros, and so are
+    // torch's, not 0 x inf.)
+    grad_scale = per_row ? at::where(denominator.ne(0), at::reciprocal(denominator), 0)
+                         : at::ones({}, acc);
   } else {
     grad_scale = at::ones({}, acc);
   }

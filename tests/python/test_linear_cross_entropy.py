@@ -20,6 +20,7 @@ results to the same float64 bound and to the CPU op's results.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 
@@ -47,6 +48,7 @@ BWD = torch.ops.fusetrain.linear_cross_entropy_backward.default
 
 
 def opts(**kw):
+    kw.setdefault("acc_policy", "compact")  # 16-bit GEMMs: the bounds below are eager's
     return FF.LinearCrossEntropyOptions(**kw)
 
 
@@ -315,13 +317,19 @@ def test_chunk_sizes(dtype, chunk, reduction, gradients_in_forward):
 @pytest.mark.parametrize("shape", ["2d", "3d", "1d"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_input_shapes(dtype, shape, reduction):
-    """input [..., in_features] with target [...]: the leading dimensions are
-    the rows; a 1-D input is one row with a 0-d target."""
+    """input [N, in_features] with target [N], or a 1-D input (one row) with
+    a 0-d target; as torch's, no [B, T, in_features] form: a 3-D input is an
+    error, and flattened to [B * T, in_features] it is the rows."""
     batch_shape = {"2d": (30,), "3d": (3, 7), "1d": ()}[shape]
     x, w, b, t, weight = make_case(None, 24, 40, dtype, batch_shape=batch_shape, seed=3)
     if shape == "1d":
         t = torch.tensor(5)  # not ignored
     kw = dict(weight=weight, reduction=reduction, label_smoothing=0.1)
+    if shape == "3d":
+        for o in (None, opts(batch_chunk_size=4)):
+            with pytest.raises(RuntimeError, match="^expected input with dimensionality 1 or 2, got 3$"):
+                ours(x, w, t, linear_bias=b, options=o, **kw)
+        x, t = x.reshape(-1, x.shape[-1]), t.reshape(-1)
     loss, grads = check_against_reference(x, w, b, t, dtype=dtype, chunk=4, **kw)
     assert loss.shape == (t.shape if reduction == "none" else ())
     assert grads[0].shape == x.shape
@@ -344,7 +352,12 @@ def test_gradients_in_forward_gives_the_same_values(dtype, weighted, reduction):
     """For a loss gradient of 1 both ways compute the same products (1 /
     denominator scales the logits' gradient either way): the same bits. For
     another loss gradient the forward's gradients are rescaled, one more
-    rounding, so both are held to the float64 bound instead."""
+    rounding, so both are held to the float64 bound instead. float16 "mean"
+    is the exception: the forward's float16 GEMMs take the logits' gradient
+    at one row's scale and 1 / denominator comes after them (Note
+    [Accumulation precision]), so there both ways are held to the bound
+    alone (test_float16_gradients_are_held_at_one_rows_scale checks that
+    way exactly)."""
     x, w, b, t, weight = make_case(45, 16, 50, dtype, weighted=weighted, seed=5)
     kw = dict(weight=weight, reduction=reduction, label_smoothing=0.1)
     results = {}
@@ -357,8 +370,44 @@ def test_gradients_in_forward_gives_the_same_values(dtype, weighted, reduction):
         check_against_reference(x, w, b, t, dtype=dtype, chunk=8, got=run(ours, x, w, b, t, options=o, **kw), **kw)
     (l1, g1), (l2, g2) = results[True], results[False]
     assert torch.equal(l1, l2)
+    if dtype == torch.float16 and reduction == "mean":
+        return
     for name, a, c in zip(GRAD_NAMES, g1, g2):
         assert torch.equal(a, c), name
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "class_weights"])
+@pytest.mark.parametrize("acc_policy", ["compact", "accurate"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_float16_gradients_are_held_at_one_rows_scale(dtype, acc_policy, weighted):
+    """The forward op's gradients times grad_loss * grad_scale, rounded once,
+    are the gradients autograd hands out. float16 holds them in float32 and,
+    with float16 GEMMs, at one row's scale: the "mean" ones are the "sum"
+    ones bit for bit and grad_scale is 1 / denominator (Note [Accumulation
+    precision]); everywhere else they are the linear's dtype and grad_scale
+    is 1."""
+    x, w, b, t, weight = make_case(45, 16, 50, dtype, weighted=weighted, seed=5)
+    accurate = acc_policy == "accurate" and dtype != torch.float32
+    held = {r: FWD(x, w, b, t, weight, -100, 0.1, r, 8, [True, True, True], accurate) for r in ("mean", "sum")}
+    loss, _, den, gi, gw, gb, grad_scale = held["mean"]
+    kept = t != -100
+    assert den.item() == ((weight[t.clamp_min(0)] * kept).sum() if weighted else kept.sum()).item()
+    assert held["sum"][2].item() == 1.0
+    per_row = dtype == torch.float16 and not accurate
+    for r in held:
+        assert held[r][6].dtype == torch.float32 and held[r][6].shape == ()
+        assert held[r][6].item() == (1 / held[r][2]).item() if per_row else held[r][6].item() == 1.0
+        assert all(g.dtype == (torch.float32 if dtype == torch.float16 else dtype) for g in held[r][3:6])
+    if per_row:
+        for name, a, c in zip(GRAD_NAMES, held["mean"][3:6], held["sum"][3:6]):
+            assert torch.equal(a, c), name
+    # (torch's rule: "accurate" computes in acc_dtype, float32 only when asked for or under "auto".)
+    o = opts(batch_chunk_size=8, acc_policy=acc_policy, acc_dtype=torch.float32 if accurate else None)
+    up = torch.tensor(1.75, dtype=dtype)
+    got_loss, got = run(ours, x, w, b, t, options=o, upstream=up, weight=weight, label_smoothing=0.1)
+    assert torch.equal(got_loss, loss.to(dtype))
+    for name, g, h in zip(GRAD_NAMES, got, (gi, gw, gb)):
+        assert torch.equal(g, (h * (up.to(grad_scale.dtype) * grad_scale)).to(dtype)), name
 
 
 @pytest.mark.parametrize("gradients_in_forward", [True, False])
@@ -422,40 +471,115 @@ def test_autocast_bfloat16_with_float32_parameters(reduction, weighted):
         assert_near_reference(name, g, tg, rg, bd)
 
 
-# ---------------------------------------------------- paths and exact equalities
-
-
+@pytest.mark.parametrize("options", ["options_none", "options_given"])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("shape", ["2d", "3d"])
-def test_chunking_none_is_the_reference_exactly(shape, reduction):
-    batch_shape = (25,) if shape == "2d" else (5, 5)
-    x, w, b, t, weight = make_case(None, 16, 30, torch.bfloat16, batch_shape=batch_shape, weighted=True)
-    weight = weight.bfloat16()  # the reference path is F.cross_entropy's: the logits' dtype
-    kw = dict(weight=weight, reduction=reduction, ignore_index=-100, label_smoothing=0.1)
-    got = run(ours, x, w, b, t, options=opts(chunking_method="none"), **kw)
+def test_float64(reduction, options):
+    """float64 linears compute in float64 throughout: the loss and the
+    gradients are float64 and agree with F.cross_entropy(F.linear(...)) in
+    float64 to a few ulps."""
+    x, w, b, t, weight = make_case(53, 32, 97, torch.float64, weighted=True, ignore_index=3)
+    kw = dict(weight=weight.double(), reduction=reduction, ignore_index=3, label_smoothing=0.1)
+    o = None if options == "options_none" else opts(batch_chunk_size=16)
+    got = run(ours, x, w, b, t, options=o, **kw)
     ref = run(torch_lce, x, w, b, t, **kw)
-    assert torch.equal(got[0], ref[0])
-    for a, c in zip(got[1], ref[1]):
+    assert got[0].dtype == torch.float64 and all(g.dtype == torch.float64 for g in got[1])
+    for a, c in zip([got[0], *got[1]], [ref[0], *ref[1]]):
+        torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("gradients_in_forward", [True, False], ids=["grads_in_forward", "grads_in_backward"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_accurate_is_float32_arithmetic(dtype, reduction, gradients_in_forward):
+    """acc_policy "accurate" (acc_dtype float32; "auto" on the CPU) computes
+    16-bit linears in float32: for a loss gradient of 1 the loss and the
+    gradients are the float32 computation's on the same values, rounded once
+    to the 16-bit dtype. options=None computes float16 that way on the CPU
+    too, and bfloat16 as "compact"."""
+    x, w, b, t, weight = make_case(45, 16, 50, dtype, weighted=reduction == "sum", seed=13)
+    kw = dict(weight=weight, reduction=reduction, label_smoothing=0.1)
+    up = torch.ones(45 if reduction == "none" else ())
+    f32 = lambda v: v.float()  # noqa: E731
+    want = run(ours, f32(x), f32(w), f32(b), t, upstream=up,
+               options=opts(batch_chunk_size=7, gradients_in_forward=gradients_in_forward), **kw)
+    want = [want[0].to(dtype), [g.to(dtype) for g in want[1]]]
+    accurate = [FF.LinearCrossEntropyOptions(batch_chunk_size=7, gradients_in_forward=gradients_in_forward,
+                                             acc_policy=policy, acc_dtype=acc_dtype)
+                for policy, acc_dtype in (("accurate", torch.float32), ("auto", None), ("auto", torch.float32))]
+    compact = opts(batch_chunk_size=7, gradients_in_forward=gradients_in_forward)
+    for o in accurate + [compact]:
+        got = run(ours, x, w, b, t, upstream=up, options=o, **kw)
+        same = all(torch.equal(a, c) for a, c in zip([got[0], *got[1]], [want[0], *want[1]]))
+        assert same == (o is not compact), o
+    # options=None: the default chunk (one chunk here) in both.
+    none = run(ours, x, w, b, t, upstream=up, **kw)
+    if dtype == torch.float16:
+        want = run(ours, f32(x), f32(w), f32(b), t, upstream=up, **kw)
+        want = [want[0].to(dtype), [g.to(dtype) for g in want[1]]]
+    else:
+        want = run(ours, x, w, b, t, upstream=up, options=opts(batch_chunk_size=45), **kw)
+    for a, c in zip([none[0], *none[1]], [want[0], *want[1]]):
         assert torch.equal(a, c)
 
 
-@pytest.mark.parametrize("shape", ["2d", "3d"])
-def test_probability_targets_warn_and_take_the_reference_path(shape):
-    batch_shape = (12,) if shape == "2d" else (3, 4)
+# ---------------------------------------------------- paths and exact equalities
+
+
+def k_dimensional_reference(x, w, t, *, linear_bias=None, **kw):
+    """torch's reference for a K-dimensional linear_weight [C, d1, ..., H]:
+    the logits [N, C, d1, ...] of the flattened linear."""
+    c, *out_features, h = w.shape
+    b = None if linear_bias is None else linear_bias.reshape(-1)
+    logits = F.linear(x, w.reshape(-1, h), b).reshape(*x.shape[:-1], c, *out_features)
+    return F.cross_entropy(logits, t, **kw)
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["options_none", "options_given"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_k_dimensional_weights_take_the_reference_exactly(reduction, given):
+    """linear_weight [C, d1, H] (targets [N, d1]): torch's reference, every
+    logit held, the same bits as F.cross_entropy of F.linear; silently with
+    options=None, with a warning that the options were ignored otherwise."""
+    x, w, b, t, weight = make_case(25, 16, 30, torch.bfloat16, weighted=True)
+    w3 = torch.cat([w, w.flip(0)], 1).reshape(30, 2, 16)  # [C, d1 = 2, H]
+    b3 = torch.stack([b, b.flip(0)], 1)  # [C, d1]
+    t3 = torch.stack([t, t.flip(0)], 1)  # [N, d1]
+    weight = weight.bfloat16()  # the reference path is F.cross_entropy's: the logits' dtype
+    kw = dict(weight=weight, reduction=reduction, label_smoothing=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run(ours, x, w3, b3, t3, ignore_index=-100, options=opts() if given else None, **kw)
+    ignored = [str(c.message) for c in caught if "``options`` ignored" in str(c.message)]
+    assert len(ignored) == (1 if given else 0), [str(c.message) for c in caught]
+    assert all(issubclass(c.category, UserWarning) for c in caught)
+    ref = run(k_dimensional_reference, x, w3, b3, t3, ignore_index=-100, **kw)
+    assert got[0].shape == ((25, 2) if reduction == "none" else ())
+    assert torch.equal(got[0], ref[0])
+    for name, a, c in zip(GRAD_NAMES, got[1], ref[1]):
+        assert torch.equal(a, c), name
+
+
+@pytest.mark.parametrize("shape", ["2d", "1d"])
+def test_probability_targets_take_the_reference_path(shape):
+    """Class probabilities (the logits' shape) are torch's reference exactly:
+    silently with options=None, with a warning when options were given."""
+    batch_shape = (12,) if shape == "2d" else ()
     x, w, b, _, _ = make_case(None, 8, 10, torch.float32, batch_shape=batch_shape)
-    probs = torch.softmax(torch.randn(*batch_shape, 10), -1)
-    xs = x.clone().requires_grad_()
-    with pytest.warns(UserWarning, match="class-probability targets take the reference path"):
-        loss = FF.linear_cross_entropy(xs, w, probs, linear_bias=b, label_smoothing=0.1)
-    loss.backward()
+    probs = torch.softmax(torch.randn(*batch_shape, 10, generator=torch.Generator().manual_seed(1)), -1)
     xr = x.clone().requires_grad_()
-    ref = F.cross_entropy(F.linear(xr, w, b).reshape(-1, 10), probs.reshape(-1, 10), label_smoothing=0.1)
+    ref = F.cross_entropy(F.linear(xr, w, b), probs, label_smoothing=0.1)
     ref.backward()
-    assert torch.equal(loss, ref) and torch.equal(xs.grad, xr.grad)
-    # chunking_method="none" asked for the reference: no warning.
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        FF.linear_cross_entropy(x, w, probs, linear_bias=b, options=opts(chunking_method="none"))
+    for o in (None, opts(batch_chunk_size=4)):
+        xs = x.clone().requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            if o is None:
+                loss = FF.linear_cross_entropy(xs, w, probs, linear_bias=b, label_smoothing=0.1, options=o)
+            else:
+                with pytest.warns(UserWarning, match=r"``options`` ignored.*a probability target: True"):
+                    loss = FF.linear_cross_entropy(xs, w, probs, linear_bias=b, label_smoothing=0.1, options=o)
+        loss.backward()
+        assert torch.equal(loss, ref) and torch.equal(xs.grad, xr.grad)
 
 
 def test_eager_calls_take_the_cpp_function():
@@ -497,6 +621,43 @@ def test_chunks_and_passes_are_what_the_options_ask(gradients_in_forward, reduct
         assert calls.get("fusetrain::softmax_cross_entropy_backward") == chunks, (chunk, calls)
 
 
+def gemm_calls(fn):
+    """The chunks' GEMMs during fn: (logits: addmm with the bias, input
+    gradient: mm, weight gradient: addmm_ into its float32 sum)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    names = [e.name for e in prof.events()]
+    return tuple(names.count(n) for n in ("aten::addmm", "aten::mm", "aten::addmm_"))
+
+
+@pytest.mark.parametrize("options", ["options_none", "options_given"])
+@pytest.mark.parametrize("needs", [(1, 1, 1), (1, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1), (0, 0, 0)],
+                         ids=["all", "input", "weight", "bias", "frozen_input", "none"])
+def test_only_the_needed_gradients_are_computed(needs, options):
+    """The forward computes the gradients autograd will ask for and no other
+    (a frozen head: no weight-gradient GEMM; under no_grad: none), and they
+    are those of a call that computes every gradient, bit for bit."""
+    x, w, b, t, _ = make_case(48, 8, 20, torch.float32)
+    o = None if options == "options_none" else opts(batch_chunk_size=16)
+    chunks = 1 if o is None else 3
+
+    def call(leaves):
+        return FF.linear_cross_entropy(leaves[0], leaves[1], t, linear_bias=leaves[2], options=o)
+
+    every = [v.clone().requires_grad_() for v in (x, w, b)]
+    call(every).backward()
+    leaves = [v.clone().requires_grad_(bool(r)) for v, r in zip((x, w, b), needs)]
+    losses = []
+    assert gemm_calls(lambda: losses.append(call(leaves))) == (chunks, chunks * needs[0], chunks * needs[1])
+    with torch.no_grad():
+        assert gemm_calls(lambda: call(every)) == (chunks, 0, 0)
+    if any(needs):
+        losses[0].backward()
+    for name, v, e in zip(GRAD_NAMES, leaves, every):
+        assert (v.grad is None) == (not v.requires_grad), name
+        assert v.grad is None or torch.equal(v.grad, e.grad), name
+
+
 def recorded_graphs():
     """A torch.compile backend (aot_eager's, recording the forward and
     backward graphs it is given) and the list the graphs go to."""
@@ -515,8 +676,10 @@ def recorded_graphs():
 @pytest.mark.parametrize("gradients_in_forward", [True, False])
 def test_compiled_graph_calls_the_ops_as_eager_does(gradients_in_forward):
     """The traced path takes the C++ default chunk rule (1100 rows x 20000
-    classes: 512-row chunks, not the whole batch) and gradients_in_forward:
-    with_grad in the forward, or the backward op in the backward graph."""
+    classes: 512-row chunks, not the whole batch), the GEMMs' precision and
+    gradients_in_forward: the gradients that are needed (the input's; the
+    weight is frozen) in the forward, or the backward op in the backward
+    graph."""
     backend, graphs = recorded_graphs()
     n, h, c = 1100, 8, 20000
     g = torch.Generator().manual_seed(8)
@@ -539,19 +702,24 @@ def test_compiled_graph_calls_the_ops_as_eager_does(gradients_in_forward):
     forward = [node for node in nodes if node.target is FWD]
     backward = [node for node in nodes if node.target is BWD]
     assert len(forward) == 1
-    chunk_rows, with_grad = forward[0].args[8:10]
+    chunk_rows, grad_mask, accurate = forward[0].args[8:11]
     assert chunk_rows == _C.linear_cross_entropy_chunk_rows(n, h, c, torch.float32, "cpu") == 512
-    assert with_grad == gradients_in_forward
+    assert list(grad_mask) == [gradients_in_forward, False, False] and accurate is False
     assert len(backward) == (0 if gradients_in_forward else 1)
     if backward:
         assert backward[0].args[11] == 512
+        assert list(backward[0].args[12]) == [True, False, False] and backward[0].args[13] is False
 
 
 COMPILE_CASES = {
     # dtype, batch shape, bias, weighted, reduction, ignore_index, chunk, gradients_in_forward, autocast
+    # (gradients_in_forward None: options=None)
     "fp32_weighted_mean": (torch.float32, (40,), True, True, "mean", None, 7, True, False),
-    "bf16_3d_none": (torch.bfloat16, (4, 9), False, False, "none", 3, 5, True, False),
+    "bf16_none": (torch.bfloat16, (36,), False, False, "none", 3, 5, True, False),
     "autocast_sum_in_backward": (torch.float32, (33,), True, False, "sum", -100, None, False, True),
+    "bf16_options_none": (torch.bfloat16, (30,), True, True, "mean", None, None, None, False),
+    "fp16_options_none": (torch.float16, (30,), True, False, "sum", None, None, None, False),
+    "fp16_1d_options_none": (torch.float16, (), True, False, "mean", None, None, None, False),
 }
 
 
@@ -562,7 +730,9 @@ def test_torch_compile_matches_eager_bitwise(case):
     dtype, batch_shape, bias, weighted, reduction, ignore_index, chunk, gif, autocast = case
     x, w, b, t, weight = make_case(None, 16, 37, dtype, batch_shape=batch_shape, bias=bias, weighted=weighted,
                                    ignore_index=ignore_index, seed=7)
-    o = opts(batch_chunk_size=chunk, gradients_in_forward=gif)
+    o = None if gif is None else opts(batch_chunk_size=chunk, gradients_in_forward=gif)
+    if batch_shape == ():
+        t = torch.tensor(4)
 
     def step(x, w, b, t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -585,70 +755,141 @@ def test_torch_compile_matches_eager_bitwise(case):
         assert a is None or torch.equal(a, c), name
 
 
-def test_reference_path_is_twice_differentiable():
-    """chunking_method="none" is torch's own ops: twice differentiable, like torch."""
-    x, w, b, t, _ = make_case(6, 4, 5, torch.float32)
-    xs = x.clone().requires_grad_()
-    loss = FF.linear_cross_entropy(xs, w, t, linear_bias=b, options=opts(chunking_method="none"))
-    (g,) = torch.autograd.grad(loss, xs, create_graph=True)
-    (h,) = torch.autograd.grad(g.sum(), xs)
-    assert torch.isfinite(h).all() and h.abs().sum() > 0
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_options_none_is_twice_differentiable_as_the_reference(reduction):
+    """options=None has the reference's autograd: a create_graph backward
+    builds the reference's graph, so double backward works (gradgradcheck in
+    float64) and gives the reference's second derivatives."""
+    x, w, b, t, weight = make_case(6, 4, 5, torch.float64, weighted=True, ignore_index=3)
+    weight = weight.double()
+    kw = dict(weight=weight, reduction=reduction, ignore_index=3, label_smoothing=0.1)
+
+    def ours_fn(x, w, b):
+        return FF.linear_cross_entropy(x, w, t, linear_bias=b, **kw)
+
+    def ref_fn(x, w, b):
+        return torch_lce(x, w, t, linear_bias=b, **kw)
+
+    leaves = tuple(v.clone().requires_grad_() for v in (x, w, b))
+    assert torch.autograd.gradcheck(ours_fn, leaves)
+    assert torch.autograd.gradgradcheck(ours_fn, leaves)
+    results = []
+    for fn in (ours_fn, ref_fn):
+        loss = fn(*leaves)
+        grads = torch.autograd.grad(loss, leaves, upstream_for(loss), create_graph=True)
+        assert all(g.requires_grad for g in grads)
+        # A Hessian-vector product through every gradient.
+        hvp = torch.autograd.grad(sum((g * g).sum() for g in grads), leaves)
+        results.append([loss, *grads, *hvp])
+    for a, c in zip(*results):
+        torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-14)
 
 
-
-def test_retain_graph_needs_the_recomputing_backward():
-    """The eager path hands the gradients it computed in the forward to the
-    backward (rescaled in place, not copied): a second backward through the
-    same graph is an error naming the option that allows it, and with that
-    option both backwards give the same gradients (a scale of 2 on the
-    second: the accumulated sum)."""
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_options_none_retain_graph_recomputes(reduction):
+    """options=None: backward(retain_graph=True) may be called again (the
+    second recomputes the chunks), the gradients accumulating as torch's."""
     x, w, b, t, _ = make_case(20, 8, 11, torch.float32)
     xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = FF.linear_cross_entropy(xs, ws, t, linear_bias=b)
+    loss = FF.linear_cross_entropy(xs, ws, t, linear_bias=b, reduction=reduction)
+    up = upstream_for(loss)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = torch_lce(xr, wr, t, linear_bias=b, reduction=reduction)
+    ref.backward(up)
+    loss.backward(up, retain_graph=True)
+    torch.testing.assert_close(ws.grad, wr.grad, rtol=1e-5, atol=1e-6)
+    calls = op_calls(lambda: loss.backward(up / 2))
+    assert calls.get("fusetrain::linear_cross_entropy_backward") == 1, calls
+    torch.testing.assert_close(ws.grad, wr.grad * 1.5, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xs.grad, xr.grad * 1.5, rtol=1e-5, atol=1e-6)
+
+
+def test_explicit_options_retain_graph_needs_allow_retain_graph():
+    """With options given, torch's chunked-path semantics: the gradients
+    computed in the forward are handed to the backward (rescaled in place,
+    not copied), so a second backward through the same graph is torch's
+    error, unless allow_retain_graph keeps them (then both backwards give the
+    same gradients: the accumulated sum is 1.5x for a second loss gradient of
+    1/2); with gradients_in_forward=False the backward recomputes anyway."""
+    x, w, b, t, _ = make_case(20, 8, 11, torch.float32)
+    xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = FF.linear_cross_entropy(xs, ws, t, linear_bias=b, options=opts())
     loss.backward(retain_graph=True)
     first = ws.grad.clone()
-    with pytest.raises(RuntimeError, match="retain_graph=True.*gradients_in_forward = false"):
+    with pytest.raises(RuntimeError, match=r"^linear_cross_entropy chunked backward called twice; "
+                                           r"retain_graph=True / double backward are not supported\.$"):
         loss.backward()
-    ws.grad = None
-    loss = FF.linear_cross_entropy(xs, ws, t, linear_bias=b, options=opts(gradients_in_forward=False))
-    loss.backward(retain_graph=True)
-    torch.testing.assert_close(ws.grad, first, rtol=1e-6, atol=1e-7)
-    loss.backward(torch.tensor(0.5))
-    torch.testing.assert_close(ws.grad, first * 1.5, rtol=1e-6, atol=1e-7)
+    for o in (opts(allow_retain_graph=True), opts(gradients_in_forward=False)):
+        ws.grad = None
+        loss = FF.linear_cross_entropy(xs, ws, t, linear_bias=b, options=o)
+        loss.backward(retain_graph=True)
+        torch.testing.assert_close(ws.grad, first, rtol=1e-6, atol=1e-7)
+        loss.backward(torch.tensor(0.5))
+        torch.testing.assert_close(ws.grad, first * 1.5, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("gradients_in_forward", [True, False], ids=["grads_in_forward", "grads_in_backward"])
-@pytest.mark.parametrize("path", ["cpp_function", "python_function"])
-def test_double_backward_raises_a_clear_error(path, gradients_in_forward):
-    x, w, b, t, _ = make_case(6, 4, 5, torch.float32)
+def test_explicit_options_create_graph_is_torchs_chunked_path(gradients_in_forward, reduction):
+    """With options given, as torch's chunked path: a create_graph backward
+    gives gradients with no grad_fn (no second derivative through the loss;
+    torch documents higher-order AD as unsupported there), and no warning."""
+    x, w, b, t, _ = make_case(6, 4, 5, torch.float64)
     xs = x.clone().requires_grad_()
-    if path == "cpp_function":
-        loss = FF.linear_cross_entropy(xs, w, t, linear_bias=b, options=opts(gradients_in_forward=gradients_in_forward))
-    else:  # what torch.compile traces
-        loss = FF._LinearCrossEntropy.apply(xs, w, b, t, None, -100, 0.0, "mean", 4, gradients_in_forward)
-    # A Hessian-vector product of a loss with another term in x: the
-    # first-order gradient requires grad through (x ** 3).sum(). The error
-    # may come at the create_graph=True backward or at the second one.
-    total = loss + (xs**3).sum()
-    with pytest.raises(RuntimeError, match=r"(?i)twice|double.backward|second.order|once_differentiable"):
-        (g,) = torch.autograd.grad(total, xs, create_graph=True)
-        torch.autograd.grad(g.sum(), xs)
+    o = opts(gradients_in_forward=gradients_in_forward)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = FF.linear_cross_entropy(xs, w, t, linear_bias=b, reduction=reduction, options=o)
+        (g,) = torch.autograd.grad(loss, xs, upstream_for(loss), create_graph=True)
+    assert g.grad_fn is None and not g.requires_grad
+    if hasattr(F, "linear_cross_entropy"):
+        theirs = F.linear_cross_entropy(xs, w, t, linear_bias=b, reduction=reduction,
+                                        options=torch.nn.LinearCrossEntropyOptions())
+        (tg,) = torch.autograd.grad(theirs, xs, upstream_for(theirs), create_graph=True)
+        assert tg.grad_fn is None
+        torch.testing.assert_close(g, tg)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("gradients_in_forward", [True, False], ids=["grads_in_forward", "grads_in_backward"])
+def test_python_function_create_graph_gives_no_grad_fn(gradients_in_forward, reduction):
+    """The Python autograd Function (what torch.compile traces) is
+    once_differentiable, as torch's chunked path: a create_graph backward
+    gives the gradients (those of the C++ Function, bit for bit) with no
+    grad_fn."""
+    x, w, b, t, _ = make_case(6, 4, 5, torch.float32)
+    grad = gradients_in_forward and reduction != "none"
+    xs, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    loss = FF._LinearCrossEntropy.apply(xs, w, b, t, None, -100, 0.0, reduction, 4, False, [grad, False, False])
+    eager = FF.linear_cross_entropy(xe, w, t, linear_bias=b, reduction=reduction,
+                                    options=opts(batch_chunk_size=4, gradients_in_forward=gradients_in_forward))
+    assert torch.equal(loss, eager)
+    (g,) = torch.autograd.grad(loss, xs, upstream_for(loss), create_graph=True)
+    (ge,) = torch.autograd.grad(eager, xe, upstream_for(eager))
+    assert g.grad_fn is None and not g.requires_grad
+    assert torch.equal(g, ge)
 
 
 # ------------------------------------------------------------------ the ops
 
 
-def op_args(dtype=torch.float32, *, bias=True, weighted=True, reduction="mean", with_grad=True, n=10, h=8, c=7,
-            device="cpu"):
+def op_args(dtype=torch.float32, *, bias=True, weighted=True, reduction="mean", grad_mask=(True, True, True), n=10,
+            h=8, c=7, accurate=False, device="cpu"):
     x, w, b, t, weight = make_case(n, h, c, dtype, bias=bias, weighted=weighted, device=device)
-    return (x, w, b, t, weight, -100, 0.1, reduction, 3, with_grad)
+    return (x, w, b, t, weight, -100, 0.1, reduction, 3, list(grad_mask), accurate)
 
 
+NO_GRAD = (False, False, False)
 OPCHECK_CASES = {
     "mean_with_grad": dict(),
     "sum_bf16_no_bias": dict(dtype=torch.bfloat16, bias=False, reduction="sum", weighted=False),
-    "none_no_grad": dict(reduction="none", with_grad=False),
-    "mean_no_grad": dict(with_grad=False, weighted=False),
+    "none_no_grad": dict(reduction="none", grad_mask=NO_GRAD),
+    "mean_no_grad": dict(grad_mask=NO_GRAD, weighted=False),
+    "mean_weight_grad_only": dict(grad_mask=(False, True, False)),
+    "sum_fp16_compact": dict(dtype=torch.float16, reduction="sum"),
+    "mean_fp16_accurate": dict(dtype=torch.float16, accurate=True),
+    "mean_bf16_accurate_input_grad_only": dict(dtype=torch.bfloat16, accurate=True, grad_mask=(True, False, False)),
+    "mean_fp64": dict(dtype=torch.float64),
 }
 
 
@@ -658,13 +899,13 @@ def test_opcheck(case):
     FakeTensor (the Meta kernels agree with the CPU ones) for both ops."""
     args = op_args(**case)
     torch.library.opcheck(FWD, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
-    x, w, b, t, weight, ii, ls, reduction, chunk, _ = args
-    loss, lse, denominator, *_ = FWD(x, w, b, t, weight, ii, ls, reduction, chunk, False)
-    grad = upstream_for(loss).float()
+    x, w, b, t, weight, ii, ls, reduction, chunk, _, accurate = args
+    loss, lse, denominator, *_ = FWD(x, w, b, t, weight, ii, ls, reduction, chunk, list(NO_GRAD), accurate)
+    grad = upstream_for(loss)
     for mask in ([True, True, True], [False, True, False]):
-        torch.library.opcheck(BWD, (grad, x, w, b, t, weight, lse, denominator, ii, ls, reduction, chunk, mask),
+        torch.library.opcheck(BWD, (grad, x, w, b, t, weight, lse, denominator, ii, ls, reduction, chunk, mask,
+                                    accurate),
                               test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
-
 
 
 def test_opcheck_autograd_registration():
@@ -673,67 +914,114 @@ def test_opcheck_autograd_registration():
     torch.library.opcheck(FWD, args, test_utils=("test_autograd_registration",))
 
 
+ALL = [True, True, True]
+
+
 def test_op_outputs():
-    x, w, b, t, weight, ii, ls, _, chunk, _ = op_args(torch.bfloat16, n=13)
+    x, w, b, t, weight, ii, ls, _, chunk, _, _ = op_args(torch.bfloat16, n=13)
     kept = t != ii
     for reduction in REDUCTIONS:
-        with_grad = reduction != "none"
-        loss, lse, den, gi, gw, gb = FWD(x, w, b, t, weight, ii, ls, reduction, chunk, with_grad)
+        mask = ALL if reduction != "none" else list(NO_GRAD)
+        loss, lse, den, gi, gw, gb, grad_scale = FWD(x, w, b, t, weight, ii, ls, reduction, chunk, mask, False)
         assert loss.dtype == torch.float32 and loss.shape == ((13,) if reduction == "none" else ())
         z = F.linear(x.double(), w.double(), b.double())
         torch.testing.assert_close(lse, torch.logsumexp(z, 1).float(), rtol=2.0**-7, atol=0.05)
         expected_den = (weight[t.clamp_min(0)] * kept).sum() if reduction == "mean" else torch.tensor(1.0)
         assert den.dtype == torch.float32 and den.shape == () and den.item() == expected_den.item()
-        if with_grad:
+        assert grad_scale.dtype == torch.float32 and grad_scale.shape == () and grad_scale.item() == 1.0
+        if mask[0]:
             assert (gi.shape, gw.shape, gb.shape) == (x.shape, w.shape, b.shape)
             assert gi.dtype == gw.dtype == gb.dtype == torch.bfloat16
         else:
             assert gi.numel() == gw.numel() == gb.numel() == 0
-    with pytest.raises(RuntimeError, match="with_grad needs a scalar loss"):
-        FWD(x, w, b, t, weight, ii, ls, "none", chunk, True)
+    with pytest.raises(RuntimeError, match="gradients in the forward need a scalar loss"):
+        FWD(x, w, b, t, weight, ii, ls, "none", chunk, [False, True, False], False)
+    # Only the gradients grad_mask asks for: the others are empty (no bias: no bias gradient).
+    for mask in ([True, False, False], [False, True, False], [False, False, True]):
+        out = FWD(x, w, b, t, weight, ii, ls, "mean", chunk, mask, False)
+        for want, g, like in zip(mask, out[3:6], (x, w, b)):
+            assert g.shape == (like.shape if want else (0,))
+    assert FWD(x, w, None, t, weight, ii, ls, "sum", chunk, [False, False, True], False)[5].numel() == 0
     # The backward divides "mean" by the denominator it is given.
-    loss, lse, den, *_ = FWD(x, w, b, t, weight, ii, ls, "mean", chunk, False)
-    g1 = BWD(torch.tensor(1.0), x, w, b, t, weight, lse, den, ii, ls, "mean", chunk, [True, True, True])
-    g2 = BWD(torch.tensor(1.0), x, w, b, t, weight, lse, den * 2, ii, ls, "mean", chunk, [True, True, True])
+    loss, lse, den, *_ = FWD(x, w, b, t, weight, ii, ls, "mean", chunk, list(NO_GRAD), False)
+    g1 = BWD(torch.tensor(1.0), x, w, b, t, weight, lse, den, ii, ls, "mean", chunk, ALL, False)
+    g2 = BWD(torch.tensor(1.0), x, w, b, t, weight, lse, den * 2, ii, ls, "mean", chunk, ALL, False)
     for a, c in zip(g1, g2):
         torch.testing.assert_close(c.float(), a.float() / 2, rtol=2.0**-7, atol=0)
-    gi, gw, gb = BWD(torch.tensor(1.0), x, w, None, t, weight, lse, den, ii, ls, "mean", chunk, [False, True, True])
+    gi, gw, gb = BWD(torch.tensor(1.0), x, w, None, t, weight, lse, den, ii, ls, "mean", chunk, [False, True, True],
+                     False)
     assert gi.numel() == 0 and gw.shape == w.shape and gb.numel() == 0
     with pytest.raises(RuntimeError, match="grad_loss must have shape"):
-        BWD(torch.ones(3), x, w, b, t, weight, lse, den, ii, ls, "none", chunk, [True, True, True])
+        BWD(torch.ones(3), x, w, b, t, weight, lse, den, ii, ls, "none", chunk, ALL, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16], ids=str)
+def test_op_outputs_float64_and_float16(dtype):
+    """float64: the loss, lse and denominator float64, the gradients float64.
+    float16: the held gradients float32; with float16 GEMMs at one row's
+    scale (grad_scale 1 / denominator), computed in float32 grad_scale 1.
+    Either way (held * grad_scale) is the float64 reference's gradient."""
+    x, w, b, t, weight, ii, ls, _, chunk, _, _ = op_args(dtype, n=13)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    z = F.linear(x.double().requires_grad_(), w.double(), b.double())
+    ref = F.cross_entropy(z, t, weight=weight.double(), ignore_index=ii, label_smoothing=ls)
+    (ref_gz,) = torch.autograd.grad(ref, z)
+    ref_gw = ref_gz.T @ x.double()
+    for accurate in (False, True):
+        loss, lse, den, gi, gw, gb, grad_scale = FWD(x, w, b, t, weight, ii, ls, "mean", chunk, ALL, accurate)
+        assert loss.dtype == lse.dtype == den.dtype == grad_scale.dtype == acc
+        held = torch.float32 if dtype == torch.float16 else dtype
+        assert gi.dtype == gw.dtype == gb.dtype == held
+        per_row = dtype == torch.float16 and not accurate
+        assert grad_scale.item() == ((1 / den).item() if per_row else 1.0)
+        tol = dict(rtol=1e-12, atol=1e-14) if dtype == torch.float64 else dict(rtol=2.0**-8, atol=2.0**-12)
+        torch.testing.assert_close(loss.double(), ref.detach(), **tol)
+        torch.testing.assert_close((gw * grad_scale).double(), ref_gw, **tol)
+        torch.testing.assert_close((gb * grad_scale).double(), ref_gz.sum(0), **tol)
+        gi2, gw2, gb2 = BWD(torch.ones((), dtype=acc), x, w, b, t, weight, lse, den, ii, ls, "mean", chunk, ALL,
+                            accurate)
+        assert gi2.dtype == gw2.dtype == gb2.dtype == dtype
+        torch.testing.assert_close(gw2.double(), ref_gw, **tol)
 
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_meta_shapes(bias):
-    x, w, b, t, weight, ii, ls, _, chunk, _ = op_args(torch.bfloat16, bias=bias, n=7, h=11, c=5, device="meta")
-    for reduction in REDUCTIONS:
-        for with_grad in ([False] if reduction == "none" else [False, True]):
-            loss, lse, den, gi, gw, gb = FWD(x, w, b, t, weight, ii, ls, reduction, chunk, with_grad)
-            assert loss.shape == ((7,) if reduction == "none" else ()) and loss.dtype == torch.float32
-            assert lse.shape == (7,) and den.shape == () and lse.device.type == "meta"
-            assert gi.shape == ((7, 11) if with_grad else (0,)) and gi.dtype == torch.bfloat16
-            assert gw.shape == ((5, 11) if with_grad else (0,)) and gw.dtype == torch.bfloat16
-            assert gb.shape == ((5,) if with_grad and bias else (0,))
-            grad = torch.empty(loss.shape, device="meta")
-            for mask in ([True, True, True], [True, False, False]):
-                gi, gw, gb = BWD(grad, x, w, b, t, weight, lse, den, ii, ls, reduction, chunk, mask)
-                assert gi.shape == ((7, 11) if mask[0] else (0,)) and gi.device.type == "meta"
-                assert gw.shape == ((5, 11) if mask[1] else (0,))
+    for dtype in (torch.bfloat16, torch.float16, torch.float64):
+        x, w, b, t, weight, ii, ls, *_ = op_args(dtype, bias=bias, n=7, h=11, c=5, device="meta")
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        held = torch.float32 if dtype == torch.float16 else dtype
+        for reduction in REDUCTIONS:
+            for mask in ([list(NO_GRAD)] if reduction == "none" else [list(NO_GRAD), ALL, [False, True, False]]):
+                loss, lse, den, gi, gw, gb, grad_scale = FWD(x, w, b, t, weight, ii, ls, reduction, 0, mask, False)
+                assert loss.shape == ((7,) if reduction == "none" else ()) and loss.dtype == acc
+                assert lse.shape == (7,) and den.shape == () and lse.device.type == "meta"
+                assert grad_scale.shape == () and grad_scale.dtype == acc
+                assert gi.shape == ((7, 11) if mask[0] else (0,)) and gi.dtype == held
+                assert gw.shape == ((5, 11) if mask[1] else (0,)) and gw.dtype == held
                 assert gb.shape == ((5,) if mask[2] and bias else (0,))
-
+                grad = torch.empty(loss.shape, device="meta", dtype=acc)
+                for bmask in ([True, True, True], [True, False, False]):
+                    gi, gw, gb = BWD(grad, x, w, b, t, weight, lse, den, ii, ls, reduction, 0, bmask, True)
+                    assert gi.shape == ((7, 11) if bmask[0] else (0,)) and gi.device.type == "meta"
+                    assert gi.dtype == dtype
+                    assert gw.shape == ((5, 11) if bmask[1] else (0,))
+                    assert gb.shape == ((5,) if bmask[2] and bias else (0,))
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean"])
 def test_functional_and_module_on_meta_tensors(reduction):
-    xm = torch.empty(3, 4, 11, device="meta", dtype=torch.bfloat16)
-    tm = torch.empty(3, 4, device="meta", dtype=torch.long)
-    ref = FF.linear_cross_entropy(xm, torch.empty(5, 11, device="meta", dtype=torch.bfloat16), tm,
-                                  reduction=reduction, options=opts(chunking_method="none"))
+    xm = torch.empty(12, 11, device="meta", dtype=torch.bfloat16)
+    tm = torch.empty(12, device="meta", dtype=torch.long)
+    wm = torch.empty(5, 11, device="meta", dtype=torch.bfloat16)
+    ref = torch_lce(xm, wm, tm, reduction=reduction)
+    for o in (None, opts(batch_chunk_size=4)):
+        out = FF.linear_cross_entropy(xm, wm, tm, reduction=reduction, options=o)
+        assert out.shape == ref.shape == ((12,) if reduction == "none" else ())
+        assert out.dtype == torch.bfloat16 and out.device.type == "meta"
     m = fusetrain.nn.LinearCrossEntropyLoss(11, 5, bias=True, device="meta", dtype=torch.bfloat16,
                                             reduction=reduction)
     out = m(xm, tm)
-    assert out.shape == ref.shape == ((3, 4) if reduction == "none" else ())
-    assert out.dtype == torch.bfloat16 and out.device.type == "meta"
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16 and out.device.type == "meta"
 
 
 # ------------------------------------------------------------------ errors
@@ -744,70 +1032,104 @@ def test_out_of_range_target_names_the_index_and_the_value():
     for bad in (13, -1, -7):
         tb = t.clone()
         tb[6] = bad
-        with pytest.raises(IndexError, match=rf"target\[6\] = {bad}"):
-            FF.linear_cross_entropy(x, w, tb)
+        for o in (None, opts(batch_chunk_size=4)):
+            with pytest.raises(IndexError, match=rf"target\[6\] = {bad}"):
+                FF.linear_cross_entropy(x, w, tb, options=o)
     # -100 is a class index like any other when ignore_index is 3.
     with pytest.raises(IndexError, match=r"target\[0\] = -100"):
         FF.linear_cross_entropy(x, w, t, ignore_index=3)
-    # A 3-D batch: the index is the flattened row's.
-    t3 = t.reshape(2, 5).clone()
-    t3[1, 2] = 99
-    with pytest.raises(IndexError, match=r"target\[7\] = 99"):
-        FF.linear_cross_entropy(x.reshape(2, 5, 8), w, t3)
+    # A 1-D input: its one row.
+    with pytest.raises(IndexError, match=r"target\[0\] = 99"):
+        FF.linear_cross_entropy(x[3], w, torch.tensor(99))
     # The backward op checks too (it is called with the forward's targets).
-    _, lse, den, *_ = FWD(x, w, None, t, None, -100, 0.0, "mean", 4, False)
+    _, lse, den, *_ = FWD(x, w, None, t, None, -100, 0.0, "mean", 4, list(NO_GRAD), False)
     tb = t.clone()
     tb[2] = 50
     with pytest.raises(IndexError, match=r"target\[2\] = 50"):
-        BWD(torch.tensor(1.0), x, w, None, tb, None, lse, den, -100, 0.0, "mean", 4, [True, True, True])
+        BWD(torch.tensor(1.0), x, w, None, tb, None, lse, den, -100, 0.0, "mean", 4, ALL, False)
 
 
 def test_argument_errors_name_what_is_wrong():
+    """torch's checks, exception types and words (options=None and given)."""
     x, w, b, t, _ = make_case(10, 8, 13, torch.float32)
-    with pytest.raises(RuntimeError, match=r"10, 8.*13, 5|13, 5.*10, 8"):
-        FF.linear_cross_entropy(x, w[:, :5], t)
-    with pytest.raises(RuntimeError, match=r"(?i)float.*double|double.*float"):
-        FF.linear_cross_entropy(x, w.double(), t)
-    with pytest.raises(RuntimeError, match=r"(?i)bfloat16.*float|float.*bfloat16"):
-        FF.linear_cross_entropy(x.bfloat16(), w, t)
-    with pytest.raises(RuntimeError, match=r"linear_bias must have shape \[13\]"):
-        FF.linear_cross_entropy(x, w, t, linear_bias=b[:4])
-    with pytest.raises(RuntimeError, match=r"linear_bias is"):
-        FF.linear_cross_entropy(x, w, t, linear_bias=b.bfloat16())
-    with pytest.raises(RuntimeError, match=r"weight \(class weights\) must have shape \[13\]"):
-        FF.linear_cross_entropy(x, w, t, weight=torch.ones(4))
-    with pytest.raises(ValueError, match=r"needs target of shape \(10,\).*got \(5,\)"):
-        FF.linear_cross_entropy(x, w, t[:5])
-    with pytest.raises(ValueError, match=r"needs target of shape \(2, 5\)"):
-        FF.linear_cross_entropy(x.reshape(2, 5, 8), w, t)
-    with pytest.raises(TypeError, match="integer class indices"):
-        FF.linear_cross_entropy(x, w, t.bool())
-    with pytest.raises(ValueError, match='reduction must be "mean", "sum" or "none", got "avg"'):
-        FF.linear_cross_entropy(x, w, t, reduction="avg")
-    for ls in (-0.1, 1.5):
-        with pytest.raises(ValueError, match=rf"label_smoothing must be in \[0, 1\], got {ls}"):
-            FF.linear_cross_entropy(x, w, t, label_smoothing=ls)
-    with pytest.raises(ValueError, match=r"chunking_method must be \"auto\" or \"none\", got 'chunked'"):
-        FF.LinearCrossEntropyOptions(chunking_method="chunked")
-    for bad in (0, -3):
-        with pytest.raises(ValueError, match=rf"batch_chunk_size must be at least 1, got {bad}"):
-            FF.LinearCrossEntropyOptions(batch_chunk_size=bad)
-    with pytest.raises(ValueError, match="feature dimension"):
-        FF.linear_cross_entropy(torch.tensor(1.0), w, torch.tensor(1))
+    probs = torch.softmax(torch.randn(10, 13), 1)
+    cases = [
+        (RuntimeError, r"expected equal input and linear_weight last dimensions \(in_features\), got 8 and 5, "
+                       r"respectively", dict(linear_weight=w[:, :5])),
+        (RuntimeError, r"expected m1 and m2 to have the same dtype, but got: float != double",
+         dict(linear_weight=w.double())),
+        (RuntimeError, r"expected m1 and m2 to have the same dtype, but got: double != float", dict(input=x.double())),
+        (RuntimeError, r"expected linear_bias shape \(13,\), got \(4,\)", dict(linear_bias=b[:4])),
+        (RuntimeError, r"weight tensor should be defined either for all 13 classes or no classes but got weight "
+                       r"tensor of shape: \[4\]", dict(weight=torch.ones(4))),
+        (ValueError, r"Expected input batch_size \(10\) to match target batch_size \(5\)\.", dict(target=t[:5])),
+        (RuntimeError, r"expected input with dimensionality 1 or 2, got 3",
+         dict(input=x.reshape(2, 5, 8), target=t.reshape(2, 5))),
+        (RuntimeError, r"expected input with dimensionality 1 or 2, got 0",
+         dict(input=torch.tensor(1.0), target=torch.tensor(1))),
+        (RuntimeError, r"expected linear_weight with dimensionality at least 2, got 1", dict(linear_weight=w[0])),
+        (RuntimeError, r"K-dimensional loss defined by linear_weight shape \(13, 1, 8\) requires batched input, "
+                       r"\(N, 8\), got unbatched input with shape \(8,\)",
+         dict(input=x[0], linear_weight=w.reshape(13, 1, 8), target=t[0])),
+        (RuntimeError, r"expected target dtype to be Long or Byte, but got Int", dict(target=t.int())),
+        (RuntimeError, r"expected target dtype to be Long or Byte, but got Bool", dict(target=t.bool())),
+        (RuntimeError, r"expected target dtype to be Long or Byte, but got Float", dict(target=t.float())),
+        (ValueError, r"avg is not a valid value for reduction", dict(reduction="avg")),
+        (RuntimeError, r"label_smoothing must be between 0\.0 and 1\.0\. Got: 1\.5", dict(label_smoothing=1.5)),
+        (RuntimeError, r"ignore_index cannot be specified when target contains probabilities",
+         dict(target=probs, ignore_index=3)),
+    ]
+    def call(fn, change, **kw):
+        args = {**dict(input=x, linear_weight=w, target=t), **kw, **change}
+        return fn(args.pop("input"), args.pop("linear_weight"), args.pop("target"), **args)
+
+    for o in (None, opts(batch_chunk_size=4)):
+        for error, message, change in cases:
+            with pytest.raises(error, match="^" + message + "$"):
+                call(FF.linear_cross_entropy, change, options=o)
+            if hasattr(F, "linear_cross_entropy") and o is None:  # torch's reference: the same
+                with pytest.raises(error, match="^" + message + "$"):
+                    call(F.linear_cross_entropy, change)
+    # The options: torch's validation, at construction.
+    for bad, message in (
+        (dict(chunking_method="chunked"), r"invalid chunking_method: 'chunked'"),
+        (dict(chunking_method="none"), r"invalid chunking_method: 'none'"),
+        (dict(chunking_method="aspect_ratio:0"), r"invalid chunking_method: 'aspect_ratio:0'"),
+        (dict(batch_chunk_size=0), r"batch_chunk_size must be positive int or None, got 0"),
+        (dict(batch_chunk_size=-3), r"batch_chunk_size must be positive int or None, got -3"),
+        (dict(acc_policy="fast"), r"invalid acc_policy: 'fast'; expected one of .*'compact'"),
+        (dict(acc_dtype=torch.int32), r"acc_dtype must be one of \{None, torch\.float16, torch\.bfloat16, "
+                                      r"torch\.float32, torch\.float64\}, got torch\.int32\..*"),
+    ):
+        with pytest.raises(ValueError, match="^" + message + "$"):
+            FF.LinearCrossEntropyOptions(**bad)
+    o = FF.LinearCrossEntropyOptions()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.batch_chunk_size = 4
+    # ... and at the call.
+    with pytest.raises(ValueError, match=r"batch_chunk_size \(=3\) and chunking_method \('aspect_ratio'\) give "
+                                         r"different chunk sizes"):
+        FF.linear_cross_entropy(x, w, t, options=opts(batch_chunk_size=3, chunking_method="aspect_ratio"))
+    with pytest.raises(RuntimeError, match=r"supports float32 acc_dtype with float16/bfloat16 inputs"):
+        FF.linear_cross_entropy(x, w, t, options=opts(acc_dtype=torch.float64))
     # The raw op's own checks.
-    with pytest.raises(RuntimeError, match="chunk_rows must be at least 1, got 0"):
-        FWD(x, w, b, t, None, -100, 0.0, "mean", 0, False)
-    with pytest.raises(RuntimeError, match="input must be float32, float16 or bfloat16"):
-        FWD(x.double(), w.double(), None, t, None, -100, 0.0, "mean", 4, False)
+    with pytest.raises(RuntimeError, match="input must be float32, float64, float16 or bfloat16, got Int"):
+        FWD(x.int(), w.int(), None, t, None, -100, 0.0, "mean", 4, list(NO_GRAD), False)
     with pytest.raises(RuntimeError, match="target must be int64"):
-        FWD(x, w, b, t.int(), None, -100, 0.0, "mean", 4, False)
+        FWD(x, w, b, t.int(), None, -100, 0.0, "mean", 4, list(NO_GRAD), False)
+    with pytest.raises(RuntimeError, match="linear_bias is BFloat16 but input and linear_weight are Float"):
+        FWD(x, w, b.bfloat16(), t, None, -100, 0.0, "mean", 4, list(NO_GRAD), False)
 
 
 def test_integer_targets_of_other_dtypes():
+    """uint8 class indices are torch's other target dtype (the same loss as
+    int64); int32 and the others are torch's error."""
     x, w, b, t, _ = make_case(12, 8, 13, torch.float32, ignore_index=3)
     ref = FF.linear_cross_entropy(x, w, t, linear_bias=b, ignore_index=3)
-    for dtype in (torch.int32, torch.uint8):
-        assert torch.equal(FF.linear_cross_entropy(x, w, t.to(dtype), linear_bias=b, ignore_index=3), ref)
+    assert torch.equal(FF.linear_cross_entropy(x, w, t.to(torch.uint8), linear_bias=b, ignore_index=3), ref)
+    for dtype, name in ((torch.int32, "Int"), (torch.int16, "Short"), (torch.int8, "Char")):
+        with pytest.raises(RuntimeError, match=f"^expected target dtype to be Long or Byte, but got {name}$"):
+            FF.linear_cross_entropy(x, w, t.to(dtype), linear_bias=b, ignore_index=3)
 
 
 # ------------------------------------------------------------------ module
@@ -858,10 +1180,44 @@ def test_module_device_dtype_and_repr():
     meta = fusetrain.nn.LinearCrossEntropyLoss(8, 13, device="meta")
     assert meta.linear.weight.device.type == "meta"
     r = repr(fusetrain.nn.LinearCrossEntropyLoss(8, 13, bias=True, reduction="sum"))
-    assert "in_features=8, num_classes=13, bias=True, reduction='sum'" in r
+    assert ("in_features=8, num_classes=13, out_features=(), bias=True, reduction=sum, ignore_index=None, "
+            "label_smoothing=0.0, options=None") in r
     assert "(linear): Linear(in_features=8, out_features=13, bias=True)" in r
     assert fusetrain.nn.LinearCrossEntropyOptions is FF.LinearCrossEntropyOptions
     assert fusetrain.nn.linear_cross_entropy is FF.linear_cross_entropy
+
+
+@pytest.mark.skipif(not hasattr(torch.nn, "LinearCrossEntropyLoss"), reason="torch < 2.13")
+def test_module_is_torchs():
+    """A subclass of torch's module, with its constructor checks, attributes,
+    state dict and repr."""
+    kw = dict(bias=True, weight=torch.rand(13), reduction="sum", ignore_index=3, label_smoothing=0.1)
+    m = fusetrain.nn.LinearCrossEntropyLoss(8, 13, **kw)
+    theirs = torch.nn.LinearCrossEntropyLoss(8, 13, **kw)
+    assert isinstance(m, torch.nn.LinearCrossEntropyLoss)
+    assert repr(m) == repr(theirs)
+    assert m.state_dict().keys() == theirs.state_dict().keys()
+    for name in ("num_classes", "out_features", "reduction", "ignore_index", "label_smoothing", "options"):
+        assert getattr(m, name) == getattr(theirs, name), name
+    for cls in (fusetrain.nn.LinearCrossEntropyLoss, torch.nn.LinearCrossEntropyLoss):
+        with pytest.raises(RuntimeError, match=r"^expected weight shape to be \(13,\), got \(4,\)$"):
+            cls(8, 13, weight=torch.ones(4))
+        for ls in (-0.1, 1.5):
+            with pytest.raises(RuntimeError, match=rf"^expected label_smoothing to be in range \[0, 1\], got {ls}$"):
+                cls(8, 13, label_smoothing=ls)
+
+
+def test_module_with_out_features():
+    """out_features (d1, ...): the linear holds C * d1 * ... outputs, the
+    loss is the K-dimensional reference's."""
+    m = fusetrain.nn.LinearCrossEntropyLoss(8, 13, out_features=(2,), bias=True, reduction="none")
+    assert m.linear.weight.shape == (26, 8) and m.linear.bias.shape == (26,)
+    x, _, _, t, _ = make_case(10, 8, 13, torch.float32)
+    t2 = torch.stack([t, t.flip(0)], 1)
+    loss = m(x, t2)
+    ref = k_dimensional_reference(x, m.linear.weight.reshape(13, 2, 8), t2,
+                                  linear_bias=m.linear.bias.reshape(13, 2), reduction="none")
+    assert loss.shape == (10, 2) and torch.equal(loss, ref)
 
 
 # ------------------------------------------------------------ chunk rule, memory
@@ -891,19 +1247,19 @@ def test_chunk_rule_matches_the_cpp_rule(dtype, device_type):
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_default_chunk_follows_the_inputs_device(device):
-    """The C++ face picks the rule of the inputs' device: under a
-    FakeTensorMode (no GPU needed, nothing allocated) 16384 x 64 -> 128256
-    bf16 rows go to the op in 512-row chunks on the CPU, 2048 on CUDA."""
+def test_default_chunk_is_left_to_the_op(device):
+    """options=None and "auto" chunking without batch_chunk_size give the op
+    chunk_rows 0, its own rule for the inputs' device and compute dtype
+    (under a FakeTensorMode: no GPU needed, nothing allocated)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    chunks = []
+    calls = []
 
     class RecordChunkRows(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func is FWD:
-                chunks.append(args[8])
+                calls.append(args[8:11])
             return func(*args, **(kwargs or {}))
 
     n, h, c = 16384, 64, 128256
@@ -913,8 +1269,45 @@ def test_default_chunk_follows_the_inputs_device(device):
         t = torch.zeros(n, dtype=torch.long, device=device)
         with RecordChunkRows():
             FF.linear_cross_entropy(x, w, t)
-    expected = {"cpu": 512, "cuda": 2048}[device]
-    assert chunks == [expected] == [FF._lce_chunk_rows(n, h, c, torch.bfloat16, device)]
+            FF.linear_cross_entropy(x, w, t, options=FF.LinearCrossEntropyOptions())
+            FF.linear_cross_entropy(x, w, t, options=opts(batch_chunk_size=100))
+    # options=None: bf16 GEMMs; "auto" acc_policy: float32 on the CPU, bf16 on CUDA.
+    assert [tuple(a[:1]) + (list(a[1]), a[2]) for a in calls] == [
+        (0, [True, True, False], False), (0, [True, True, False], device == "cpu"),
+        (100, [True, True, False], False)]
+
+
+def default_chunks(device, dtype, options):
+    """How many chunks the forward of 3000 rows x 8 features -> 20000
+    classes takes (the fused cross-entropy's calls): the rule gives 512 rows
+    for float32 GEMMs on the CPU (6 chunks), 832 for 16-bit ones (4), 2048
+    on CUDA (2)."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(3000, 8, generator=g).to(device, dtype)
+    w = (torch.randn(20000, 8, generator=g) / 3).to(device, dtype)
+    t = torch.randint(0, 20000, (3000,), generator=g).to(device)
+    calls = op_calls(lambda: FF.linear_cross_entropy(x, w, t, options=options))
+    return calls.get("fusetrain::softmax_cross_entropy_forward")
+
+
+def test_default_chunk_follows_the_inputs_device_and_dtype():
+    """The op's rule for the CPU, in the dtype the GEMMs run in: float16 is
+    computed in float32 on the CPU with options=None (and under "auto"
+    acc_policy), bfloat16 in bfloat16 with options=None."""
+    assert FF._lce_chunk_rows(3000, 8, 20000, torch.float32, "cpu") == 512
+    assert FF._lce_chunk_rows(3000, 8, 20000, torch.bfloat16, "cpu") == 832
+    assert default_chunks("cpu", torch.float32, None) == 6
+    assert default_chunks("cpu", torch.bfloat16, None) == 4
+    assert default_chunks("cpu", torch.float16, None) == 6
+    assert default_chunks("cpu", torch.bfloat16, FF.LinearCrossEntropyOptions()) == 6
+    assert default_chunks("cpu", torch.bfloat16, opts()) == 4
+
+
+@pytest.mark.cuda
+def test_cuda_default_chunk_follows_the_inputs_device():
+    assert FF._lce_chunk_rows(3000, 8, 20000, torch.float32, "cuda") == 2048
+    for dtype in DTYPES:
+        assert default_chunks("cuda", dtype, None) == 2, dtype
 
 
 def peak_and_largest(fn):
@@ -936,8 +1329,8 @@ def test_chunked_path_never_holds_the_logits(gradients_in_forward):
     """With 64-row chunks of 2048 rows x 1000 classes, no allocation comes
     near the [N, C] fp32 logits (8 MB): the peak stays within the gradients
     (dx 128 KB, dW fp32 64 KB) and a few chunk-sized [64, C] buffers. The
-    reference path, run the same way, does allocate them (the measurement
-    sees what it must)."""
+    reference path (which a K-dimensional weight [C, 1, H] takes), run the
+    same way, does allocate them (the measurement sees what it must)."""
     n, h, c = 2048, 16, 1000
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, h, generator=g).requires_grad_()
@@ -945,7 +1338,10 @@ def test_chunked_path_never_holds_the_logits(gradients_in_forward):
     t = torch.randint(0, c, (n,), generator=g)
     logits_bytes = n * c * 4
 
-    def step(o):
+    def step(o, k_dimensional=False):
+        if k_dimensional:
+            return lambda: FF.linear_cross_entropy(x, w.reshape(c, 1, h), t.reshape(n, 1), label_smoothing=0.1,
+                                                   options=o).backward()
         return lambda: FF.linear_cross_entropy(x, w, t, label_smoothing=0.1, options=o).backward()
 
     peak, largest = peak_and_largest(step(opts(batch_chunk_size=64, gradients_in_forward=gradients_in_forward)))
@@ -954,7 +1350,7 @@ def test_chunked_path_never_holds_the_logits(gradients_in_forward):
     budget = n * h * 4 + 2 * c * h * 4 + 4 * chunk_bytes  # dx, dW + its fp32 accumulator, 4 chunk buffers
     assert budget < logits_bytes / 4
     assert peak <= budget, peak
-    ref_peak, ref_largest = peak_and_largest(step(opts(chunking_method="none")))
+    ref_peak, ref_largest = peak_and_largest(step(None, k_dimensional=True))
     assert ref_largest >= logits_bytes and ref_peak >= logits_bytes
 
 
@@ -995,7 +1391,7 @@ def mutants():
 
     def raw(ls=0.1, wt=weight, bias=b, rows=53):
         """Our loss from the raw forward op with one argument changed."""
-        return FWD(x[:rows], w, bias, t[:rows], wt, -100, ls, "mean", 16, False)[0].to(loss.dtype)
+        return FWD(x[:rows], w, bias, t[:rows], wt, -100, ls, "mean", 16, list(NO_GRAD), False)[0].to(loss.dtype)
 
     return {
         "mean over all rows, not the kept ones": (loss * kept / 53, [gx, gw, gb]),

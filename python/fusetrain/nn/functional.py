@@ -544,6 +544,13 @@ def linear_cross_entropy(
     if options is not None:
         options = _our_options(options)
     chunkable = not probabilities and not out_features and not torch.jit.is_tracing()
+    # What the chunked path does not take, torch's reference computes or
+    # refuses in its own words: a target not of the rows' shape, a negative
+    # label_smoothing, a bias or class weights of another kind.
+    rows_shape = _shape(input.shape[:-1])
+    unusual = (_shape(target.shape) != rows_shape or label_smoothing < 0
+               or (weight is not None and not weight.is_floating_point())
+               or (linear_bias is not None and linear_bias.dtype != linear_weight.dtype))
     if not chunkable:
         if options is not None:
             warnings.warn(
@@ -553,6 +560,9 @@ def linear_cross_entropy(
                 "holding the logits.",
                 stacklevel=2,
             )
+        return _reference_linear_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction,
+                                               ignore_index, label_smoothing, logits_shape)
+    if unusual and target.dtype in (torch.int64, torch.uint8):
         return _reference_linear_cross_entropy(input, linear_weight, target, linear_bias, weight, reduction,
                                                ignore_index, label_smoothing, logits_shape)
     if reduction not in ("mean", "sum", "none"):
