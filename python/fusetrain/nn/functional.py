@@ -550,7 +550,11 @@ def linear_cross_entropy(
     rows_shape = _shape(input.shape[:-1])
     unusual = (_shape(target.shape) != rows_shape or label_smoothing < 0
                or (weight is not None and not weight.is_floating_point())
-               or (linear_bias is not None and linear_bias.dtype != linear_weight.dtype))
+               or (linear_bias is not None and linear_bias.dtype != linear_weight.dtype)
+               # (torch's reference refuses class weights of another dtype
+               # than the logits; under autocast its cross_entropy casts them)
+               or (options is None and weight is not None and weight.dtype != input.dtype
+                   and not (input.device.type != "meta" and torch.is_autocast_enabled(input.device.type))))
     if not chunkable:
         if options is not None:
             warnings.warn(
