@@ -511,10 +511,13 @@ def test_accurate_is_float32_arithmetic(dtype, reduction, gradients_in_forward):
         got = run(ours, x, w, b, t, upstream=up, options=o, **kw)
         same = all(torch.equal(a, c) for a, c in zip([got[0], *got[1]], [want[0], *want[1]]))
         assert same == (o is not compact), o
-    # options=None: the default chunk (one chunk here) in both.
+    # options=None: the default chunk (one chunk here) in both; class
+    # weights of the input's dtype, as torch's reference takes them (these
+    # are exact in 16 bits).
+    kw["weight"] = None if weight is None else weight.to(dtype)
     none = run(ours, x, w, b, t, upstream=up, **kw)
     if dtype == torch.float16:
-        want = run(ours, f32(x), f32(w), f32(b), t, upstream=up, **kw)
+        want = run(ours, f32(x), f32(w), f32(b), t, upstream=up, **dict(kw, weight=weight))
         want = [want[0].to(dtype), [g.to(dtype) for g in want[1]]]
     else:
         want = run(ours, x, w, b, t, upstream=up, options=opts(batch_chunk_size=45), **kw)
@@ -731,6 +734,8 @@ def test_torch_compile_matches_eager_bitwise(case):
     x, w, b, t, weight = make_case(None, 16, 37, dtype, batch_shape=batch_shape, bias=bias, weighted=weighted,
                                    ignore_index=ignore_index, seed=7)
     o = None if gif is None else opts(batch_chunk_size=chunk, gradients_in_forward=gif)
+    if o is None and weight is not None and not autocast:
+        weight = weight.to(dtype)  # torch's reference takes class weights of the logits' dtype only
     if batch_shape == ():
         t = torch.tensor(4)
 
