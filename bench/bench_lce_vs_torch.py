@@ -29,7 +29,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import platform
 import sys
 import time
 
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_linear_cross_entropy as lce_bench  # noqa: E402
+from common import _cpu_model  # noqa: E402
 
 import fusetrain.nn.functional as FF  # noqa: E402
 
@@ -45,17 +45,6 @@ SHAPES = [(8192, 768, 50257, "bf16"), (8192, 768, 50257, "fp32"), (4096, 256, 50
           (8192, 768, 32768, "fp16"), (8192, 768, 32768, "bf16"), (8192, 768, 32768, "fp32")]
 QUICK_SHAPES = [(2048, 768, 32768, "bf16"), (4096, 256, 50257, "fp32")]
 FP16_ERROR_SHAPE = (4096, 32, 32768)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def time_shape(n, h, c, dname, repeats=2):
@@ -117,7 +106,7 @@ def fp16_error(n, h, c):
 def main(argv):
     quick = "--quick" in argv
     shapes = QUICK_SHAPES if quick else SHAPES
-    report = {"date": datetime.date.today().isoformat(), "cpu": cpu_name(), "threads": torch.get_num_threads(),
+    report = {"date": datetime.date.today().isoformat(), "cpu": _cpu_model(), "threads": torch.get_num_threads(),
               "torch": torch.__version__, "rows": [], "fp16_error": None}
     only = [a for a in argv if a.startswith("--shapes=")]
     if only:  # --shapes=0,2: a subset of SHAPES by index
