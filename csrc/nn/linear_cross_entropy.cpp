@@ -183,7 +183,12 @@ class LinearCrossEntropyFunction
       // create_graph: the reference's graph, so that the gradients have
       // gradients of their own (torch's options=None path is twice
       // differentiable). Costs the logits, as the reference does.
-      const at::Tensor logits = at::linear(saved[0], saved[1], saved[2]);
+      at::Tensor logits = at::linear(saved[0], saved[1], saved[2]);
+      // (Autocast's casts are behind us: its float32 class weights meet the
+      // 16-bit logits as its cross_entropy would, in float32.)
+      if (saved[4].defined() && saved[4].scalar_type() != logits.scalar_type()) {
+        logits = logits.to(saved[4].scalar_type());
+      }
       const at::Tensor loss =
           at::cross_entropy_loss(logits, saved[3], saved[4], reduction_enum(reduction),
                                  ignore_index, label_smoothing);

@@ -790,6 +790,26 @@ def test_options_none_is_twice_differentiable_as_the_reference(reduction):
         torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-14)
 
 
+def test_options_none_double_backward_under_autocast_with_float32_class_weights():
+    """Under bf16 autocast the linear runs in bf16 and the class weights stay
+    float32 (autocast's cross_entropy casts to float32): the create_graph
+    backward's reference graph must take them as autocast would, giving the
+    reference's gradients and a graph through them."""
+    x, w, b, t, weight = make_case(12, 8, 9, torch.float32, weighted=True)
+    grads = []
+    for fn in (FF.linear_cross_entropy, torch_lce):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = fn(xs, ws, t, weight=weight)
+        assert loss.dtype == torch.float32
+        gx, gw = torch.autograd.grad(loss, (xs, ws), create_graph=True)
+        assert gx.requires_grad and gw.requires_grad
+        grads.append((gx, gw))
+    for a, c in zip(*grads):
+        # The same bf16 GEMMs, float32 cross-entropy: within bf16 rounding.
+        torch.testing.assert_close(a, c, rtol=2**-7, atol=2**-7 * c.abs().max().item())
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_options_none_retain_graph_recomputes(reduction):
     """options=None: backward(retain_graph=True) may be called again (the
