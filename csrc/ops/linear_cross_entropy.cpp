@@ -282,6 +282,31 @@ at::Tensor generic_chunk(const at::Tensor& z, const at::Tensor& t, const at::Ten
   return grad.to(z.scalar_type());
 }
 
+// A chunk's logits x W^T + b, [r, C] row-major. On the CPU a float32
+// x @ W^T (its [C, H] operand transposed) ran at 113 GFLOP/s on a Zen 4 core
+// pair at 512 x 768 -> 50257, where W_block @ x^T over blocks of 1024
+// classes ran at 165: with at least 512 features the logits are built from
+// those blocks, each [1024, r] product transposed into its columns (a 2 MiB
+// temporary at 512 rows). 0.24 s a chunk against 0.37 there; at 256 features
+// the blocks were no faster, and 16-bit GEMMs slower (0.18 s against 0.12).
+at::Tensor chunk_logits(const Pass& p, const at::Tensor& x) {
+  constexpr int64_t kClassBlock = 1024;
+  constexpr int64_t kMinFeatures = 512;
+  const at::Tensor& w = p.linear_weight;
+  if (!(x.is_cpu() && p.compute == at::kFloat && x.size(1) >= kMinFeatures)) {
+    return given(p.linear_bias) ? at::addmm(*p.linear_bias, x, w.t()) : at::mm(x, w.t());
+  }
+  const int64_t classes = w.size(0);
+  at::Tensor z = at::empty({x.size(0), classes}, x.options());
+  const at::Tensor xt = x.t();
+  for (int64_t c0 = 0; c0 < classes; c0 += kClassBlock) {
+    const int64_t c = std::min(kClassBlock, classes - c0);
+    z.narrow(1, c0, c).copy_(at::mm(w.narrow(0, c0, c), xt).t());
+  }
+  if (given(p.linear_bias)) z.add_(*p.linear_bias);
+  return z;
+}
+
 // Runs the chunks: fills row_loss and lse (when defined: the forward) and
 // accumulates the gradients for `scale` into `grads` (when scale is defined).
 // `lse_in` (the backward's) spares recomputing each row's log-sum-exp.
@@ -289,7 +314,6 @@ void run_chunks(const Pass& p, const at::Tensor& row_loss, const at::Tensor& lse
                 const at::Tensor& lse_in, const at::Tensor& scale, Grads& grads) {
   const int64_t n = p.input.size(0);
   const bool per_row_scale = scale.defined() && scale.dim() == 1;
-  const at::Tensor weight_t = p.linear_weight.t();
   const bool generic = p.class_weight.defined() || p.compute == at::kDouble;
   for (int64_t r0 = 0; r0 < n; r0 += p.chunk_rows) {
     const int64_t r = std::min(p.chunk_rows, n - r0);
@@ -297,8 +321,7 @@ void run_chunks(const Pass& p, const at::Tensor& row_loss, const at::Tensor& lse
     // under "accurate": chunk-sized, not [N, H]).
     const at::Tensor x = p.input.narrow(0, r0, r).to(p.compute);
     const at::Tensor t = p.target.narrow(0, r0, r);
-    at::Tensor z =
-        given(p.linear_bias) ? at::addmm(*p.linear_bias, x, weight_t) : at::mm(x, weight_t);
+    at::Tensor z = chunk_logits(p, x);
     const at::Tensor chunk_loss = row_loss.defined() ? row_loss.narrow(0, r0, r) : at::Tensor();
     const at::Tensor chunk_lse_out = lse_out.defined() ? lse_out.narrow(0, r0, r) : at::Tensor();
     const at::Tensor chunk_lse_in = lse_in.defined() ? lse_in.narrow(0, r0, r) : at::Tensor();

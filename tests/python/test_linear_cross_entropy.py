@@ -1559,3 +1559,34 @@ def test_cuda_never_holds_the_logits():
     extra = torch.cuda.max_memory_allocated() - base
     grads = n * h * 2 + c * h * (2 + 4)  # dx, dW and its fp32 accumulator
     assert extra < grads + 8 * 128 * c * 4 < n * c * 4 / 2, extra
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_wide_float32_logits_by_class_blocks(dtype):
+    """At 512 features and more a CPU float32 chunk builds its logits from
+    blocks of 1024 classes (chunk_logits in csrc/ops/linear_cross_entropy.cpp):
+    2500 classes (two whole blocks and a tail) with a bias, float32 and bf16
+    "accurate" (float32 compute), against float64 arithmetic on the same
+    values: a misplaced block or a lost bias is off by O(1)."""
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(24, 512, generator=g).to(dtype)
+    w = (torch.randn(2500, 512, generator=g) / 512**0.5).to(dtype)
+    b = torch.randn(2500, generator=g).to(dtype)
+    t = torch.randint(0, 2500, (24,), generator=g)
+    # (acc_policy "accurate" with acc_dtype None would be bf16 accumulation,
+    # torch's rule: float32 is named.)
+    o = FF.LinearCrossEntropyOptions(acc_policy="accurate", acc_dtype=torch.float32, batch_chunk_size=10)
+    leaves = [v.clone().requires_grad_() for v in (x, w, b)]
+    loss = FF.linear_cross_entropy(leaves[0], leaves[1], t, linear_bias=leaves[2], options=o)
+    loss.backward()
+    ref_leaves = [v.double().requires_grad_() for v in (x, w, b)]
+    ref = F.cross_entropy(F.linear(*ref_leaves), t)
+    ref.backward()
+    # Rounded to the input dtype once (half its eps), after float32 sums of
+    # up to 512 terms (their error grows as sqrt(n) eps32 ~ 23 eps32: 64 is
+    # the margin); a misplaced block errs by the gradients' own size.
+    tol = torch.finfo(dtype).eps / 2 + 64 * torch.finfo(torch.float32).eps
+    assert abs(loss.double().item() - ref.item()) <= tol * abs(ref.item())
+    for got, want in zip(leaves, ref_leaves):
+        err = (got.grad.double() - want.grad).abs().max().item()
+        assert err <= tol * want.grad.abs().max().item(), err
