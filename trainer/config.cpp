@@ -5,6 +5,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
@@ -194,11 +195,21 @@ const std::vector<KeySpec>& config_schema() {
   using K = KeyType;
   static const std::vector<KeySpec> schema = {
       key("model.name", K::kString, "cnn",
-          "architecture (torchscript: the module in model.path)",
-          {"mlp", "cnn", "resnet", "gpt", "torchscript"}),
+          "architecture: mlp, cnn, resnet, gpt, gpt2 or llama (Hugging Face's layouts; "
+          "model.pretrained loads a checkpoint), torchscript (deprecated: the module in "
+          "model.path), or a name a plugin registers (model.library)"),
+      key("model.library", K::kString, "",
+          "a model plugin: a shared library built with fusetrain_add_model_plugin whose "
+          "FUSETRAIN_REGISTER_MODEL registers model.name; its own keys go under model: too" +
+              std::string(kPathRule)),
+      key("model.pretrained", K::kString, "",
+          "gpt2, llama: a Hugging Face model folder (config.json, model.safetensors or "
+          "model.safetensors.index.json with its shards) to build the model from and load; "
+          "empty: train from scratch, sized by model.*" + std::string(kPathRule)),
       key("model.path", K::kString, "",
-          "torchscript: a module saved with torch.jit.save(torch.jit.script(m) or trace); its "
-          "forward takes a batch of inputs and returns logits" + std::string(kPathRule)),
+          "torchscript (deprecated; use a plugin): a module saved with "
+          "torch.jit.save(torch.jit.script(m) or trace); its forward takes a batch of inputs "
+          "and returns logits" + std::string(kPathRule)),
       key("model.channels", K::kIntList, "16,32",
           "cnn: output channels of each block (3x3 conv, batch norm, ReLU, 2x2 max pool)", {}, 1,
           4096),
@@ -234,6 +245,17 @@ const std::vector<KeySpec>& config_schema() {
       key("model.vocab_size", K::kInt, "0",
           "gpt on data.name=tokens: the vocabulary (every id below it; 0: 1 + the largest id); "
           "text: 256", {}, 0, 1 << 24),
+      key("model.n_kv_head", K::kInt, "0",
+          "llama: key/value heads (grouped-query attention; divides n_head); 0: n_head", {}, 0,
+          1024),
+      key("model.d_ff", K::kInt, "0",
+          "gpt2, llama: the MLP's hidden width; 0: 4 x d_model (gpt2), 8/3 x d_model rounded up "
+          "to a multiple of 64 (llama)", {}, 0, 1 << 20),
+      key("model.rope_theta", K::kFloat, "10000", "llama: the rotary embeddings' base", {}, 1),
+      key("model.norm_eps", K::kFloat, "1e-05", "gpt2, llama: the layer/RMS norms' epsilon", {},
+          0, 1),
+      key("model.tie_embeddings", K::kBool, "true",
+          "gpt2 (always), llama: the head's weight is the token embedding's"),
 
       key("data.name", K::kString, "fashion_mnist",
           "dataset (tensors: inputs and labels in a .safetensors or torch.save file; tokens: a "
@@ -440,7 +462,28 @@ const KeySpec& Config::spec(const std::string& k) const {
                    ": " + join(keys, ", "));
 }
 
+namespace {
+
+// A key a plugin may read: "model.<name>", one level, a plain identifier.
+bool is_plugin_key(const std::string& k) {
+  if (k.rfind("model.", 0) != 0 || k.size() == 6) return false;
+  return std::all_of(k.begin() + 6, k.end(),
+                     [](char c) { return std::isalnum(static_cast<unsigned char>(c)) || c == '_'; });
+}
+
+bool in_schema(const std::string& k) {
+  return std::any_of(config_schema().begin(), config_schema().end(),
+                     [&](const KeySpec& s) { return s.key == k; });
+}
+
+}  // namespace
+
 void Config::set(const std::string& k, const std::string& raw, const std::string& origin) {
+  if (is_plugin_key(k) && !in_schema(k)) {
+    plugin_keys_[k] = trim(raw);
+    origins_[k] = origin;
+    return;
+  }
   const KeySpec* s = nullptr;
   try {
     s = &spec(k);
@@ -511,8 +554,8 @@ void Config::apply_override(const std::string& assignment) {
 }
 
 bool is_path_key(const std::string& key) {
-  return key == "model.path" || key == "data.path" || key == "data.val_path" ||
-         key == "output.run_dir";
+  return key == "model.path" || key == "model.library" || key == "model.pretrained" ||
+         key == "data.path" || key == "data.val_path" || key == "output.run_dir";
 }
 
 Config Config::from_yaml(const std::string& text, const std::string& origin,
@@ -612,10 +655,65 @@ std::vector<int64_t> Config::get_int_list(const std::string& k) const {
   return out;
 }
 
-const std::string& Config::origin(const std::string& k) const { return origins_.at(spec(k).key); }
+const std::string& Config::origin(const std::string& k) const {
+  if (plugin_keys_.count(k)) return origins_.at(k);
+  return origins_.at(spec(k).key);
+}
+
+std::vector<Config::ModelKey> Config::model_keys() const {
+  std::vector<ModelKey> out;
+  for (const auto& s : config_schema()) {
+    if (section_of(s.key) != "model") continue;
+    ModelKey m{s.key.substr(6), {}, origin(s.key)};
+    switch (s.type) {
+      case KeyType::kInt: m.value = get_int(s.key); break;
+      case KeyType::kFloat: m.value = get_float(s.key); break;
+      case KeyType::kBool: m.value = get_bool(s.key); break;
+      case KeyType::kString: m.value = get_string(s.key); break;
+      case KeyType::kIntList: m.value = get_int_list(s.key); break;
+    }
+    out.push_back(std::move(m));
+  }
+  for (const auto& [k, text] : plugin_keys_) {
+    ModelKey m{k.substr(6), text, origins_.at(k)};
+    bool b = false;
+    int64_t i = 0;
+    double d = 0;
+    if (parse_bool(text, b)) {
+      m.value = b;
+    } else if (parse_int(text, i)) {
+      m.value = i;
+    } else if (parse_float(text, d)) {
+      m.value = d;
+    } else if (text.find(',') != std::string::npos || (!text.empty() && text.front() == '[')) {
+      std::vector<int64_t> list;
+      bool ints = true;
+      for (const auto& item : split_list(text)) {
+        ints = ints && parse_int(item, i);
+        list.push_back(i);
+      }
+      if (ints && !list.empty()) m.value = list;
+    }
+    out.push_back(std::move(m));
+  }
+  return out;
+}
+
+void Config::check_model_keys() const {
+  if (plugin_keys_.empty() || !get_string("model.library").empty()) return;
+  const auto& [k, text] = *plugin_keys_.begin();
+  try {
+    (void)spec(k);
+  } catch (const UsageError& e) {
+    throw UsageError(origins_.at(k) + ": " + e.what() +
+                     " (a plugin's own keys are read when model.library names the plugin)");
+  }
+}
 
 UsageError Config::error(const std::string& k, const std::string& message) const {
-  return UsageError(k + "=" + values_.at(spec(k).key) + " (" + origin(k) + "): " + message);
+  const auto plugin = plugin_keys_.find(k);
+  const std::string& v = plugin != plugin_keys_.end() ? plugin->second : values_.at(spec(k).key);
+  return UsageError(k + "=" + v + " (" + origin(k) + "): " + message);
 }
 
 std::string Config::to_yaml() const {
@@ -636,6 +734,18 @@ std::string Config::to_yaml() const {
         out << YAML::DoubleQuoted << v;
       } else {
         out << v;
+      }
+    }
+    if (sec == "model") {
+      for (const auto& [k, v] : plugin_keys_) {
+        out << YAML::Key << k.substr(6) << YAML::Value;
+        if (!v.empty() && v.front() == '[') {
+          out << YAML::Flow << YAML::BeginSeq;
+          for (const auto& item : split_list(v)) out << item;
+          out << YAML::EndSeq;
+        } else {
+          out << v;
+        }
       }
     }
     out << YAML::EndMap;

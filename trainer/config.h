@@ -5,19 +5,17 @@
 // naming the key, where it came from and what would have been accepted.
 #pragma once
 
+#include <fusetrain/trainer/usage_error.h>
+
 #include <cstdint>
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <variant>
 #include <vector>
 
 namespace fusetrain::trainer {
 
-/// A usage or configuration error: the CLI reports it and exits with code 2.
-class UsageError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
 
 enum class KeyType { kInt, kFloat, kBool, kString, kIntList };
 
@@ -72,6 +70,21 @@ class Config {
   /// Where the key's value came from ("default", "configs/x.yaml:12", "--set").
   const std::string& origin(const std::string& key) const;
 
+  /// A model.* key and its value as the model reads it: the schema's type,
+  /// or, for a key the schema lacks (a plugin's own), what YAML would read
+  /// (true/false, an integer, a number, a list of integers, else a string).
+  struct ModelKey {
+    std::string name;  // without "model."
+    std::variant<bool, int64_t, double, std::string, std::vector<int64_t>> value;
+    std::string origin;
+  };
+  /// Every model.* key, the schema's first.
+  std::vector<ModelKey> model_keys() const;
+  /// model.* keys the schema does not know are kept for a plugin (which
+  /// reads them through ModelConfig); without model.library they are the
+  /// usual unknown-key error, raised here (check_before_start calls it).
+  void check_model_keys() const;
+
   /// The resolved configuration as YAML (every key, schema order).
   std::string to_yaml() const;
 
@@ -88,6 +101,7 @@ class Config {
 
   std::map<std::string, std::string> values_;
   std::map<std::string, std::string> origins_;
+  std::map<std::string, std::string> plugin_keys_;  // model.* keys outside the schema
   std::string name_;
 };
 

@@ -552,7 +552,7 @@ Dataset load_dataset(const Config& config, const at::Device& device, const at::D
   } else if (name == "tensors") {
     d = tensors_dataset(config);
   } else if (name == "synthetic_tokens" ||
-             (name == "synthetic" && config.get_string("model.name") == "gpt")) {
+             (name == "synthetic" && is_token_model(config.get_string("model.name")))) {
     d = synthetic_tokens(config);
   } else if (name == "synthetic_images" || name == "synthetic") {
     d = synthetic_images(config);

@@ -11,13 +11,6 @@
 
 namespace fusetrain::trainer {
 
-at::Tensor float32_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
-                                 at::Reduction::Reduction reduction, double label_smoothing) {
-  const amp::Float32Guard float32;
-  const at::Tensor flat = logits.to(at::kFloat).reshape({-1, logits.size(-1)});
-  return at::cross_entropy_loss(flat, targets.reshape({-1}), {}, reduction, -100, label_smoothing);
-}
-
 EvalResult evaluate(ModelImpl& model, const Split& split, const Distributed& world,
                     const amp::Policy& policy, c10::DeviceType device_type, int64_t batch,
                     std::vector<at::Tensor>* logits_out) {

@@ -17,11 +17,7 @@
 
 namespace fusetrain::trainer {
 
-/// Cross-entropy in float32 (a float32 island) of logits [N, C] or
-/// [N, T, V] against targets [N] or [N, T], with torch's label smoothing.
-at::Tensor float32_cross_entropy(const at::Tensor& logits, const at::Tensor& targets,
-                                 at::Reduction::Reduction reduction = at::Reduction::Mean,
-                                 double label_smoothing = 0.0);
+// float32_cross_entropy: <fusetrain/trainer/model.h>.
 
 struct EvalResult {
   double loss = 0.0;      // mean cross-entropy, nats

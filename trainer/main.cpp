@@ -10,6 +10,7 @@
 #include "checkpoint.h"
 #include "config.h"
 #include "evaluate.h"
+#include "hf_models.h"
 #include "launch.h"
 #include "torchscript_model.h"
 #include "tpu.h"
@@ -346,7 +347,8 @@ std::optional<cxxopts::ParseResult> parse_command(cxxopts::Options& options, int
 int run_export(int argc, char** argv) {
   cxxopts::Options options("fusetrain export",
                            "Write a checkpoint's trained model for Python: a state dict "
-                           "(Module.load_state_dict) or a TorchScript file (torch.jit.load).");
+                           "(Module.load_state_dict), a Hugging Face folder (gpt2, llama) or a "
+                           "TorchScript file (torch.jit.load; deprecated).");
   options.add_options()
       ("checkpoint", "checkpoint written by fusetrain train", cxxopts::value<std::string>())
       ("state-dict", "write the model's parameters and buffers, by their names, to this file",
@@ -354,13 +356,15 @@ int run_export(int argc, char** argv) {
       ("torchscript", "write the trained model as a TorchScript module to this file (the run's own "
                       "module for model.name=torchscript; a trace in eval mode for the built-in models)",
        cxxopts::value<std::string>())
+      ("hf", "gpt2, llama: write a Hugging Face model folder (config.json, model.safetensors) that "
+             "transformers.AutoModelForCausalLM.from_pretrained loads", cxxopts::value<std::string>())
       ("h,help", "show this help");
   const auto parsed = parse_command(options, argc, argv);
   if (!parsed) return 0;  // --help
   const auto& args = *parsed;
   if (!args.count("checkpoint")) throw ft::UsageError("export needs --checkpoint PATH");
-  if (!args.count("state-dict") && !args.count("torchscript")) {
-    throw ft::UsageError("export needs --state-dict OUT.pt or --torchscript OUT.pt");
+  if (!args.count("state-dict") && !args.count("torchscript") && !args.count("hf")) {
+    throw ft::UsageError("export needs --state-dict OUT.pt, --torchscript OUT.pt or --hf OUT_DIR");
   }
   const std::string checkpoint = args["checkpoint"].as<std::string>();
   if (!exists(checkpoint)) throw ft::UsageError("--checkpoint " + checkpoint + ": no such file");
@@ -378,6 +382,11 @@ int run_export(int argc, char** argv) {
     const std::string out = args["state-dict"].as<std::string>();
     ft::write_tensor_dict(out, state);
     std::cout << "state dict of " << state.size() << " tensors -> " << out << "\n";
+  }
+  if (args.count("hf")) {
+    const std::string out = args["hf"].as<std::string>();
+    const std::string what = ft::export_hf(checkpoint, out);
+    std::cout << "Hugging Face model (" << what << ") -> " << out << "\n";
   }
   if (args.count("torchscript") && config.get_string("model.name") != "torchscript") {
     const std::string out = args["torchscript"].as<std::string>();

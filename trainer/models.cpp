@@ -1,8 +1,11 @@
-// Model definitions: mlp, cnn, CIFAR-style ResNet-18/50 and a byte-level GPT.
+// Model definitions: mlp, cnn, CIFAR-style ResNet-18/50 and a byte-level GPT;
+// make_model, which also builds gpt2/llama (hf_models.cpp), TorchScript
+// modules and plugins' models.
 #include "models.h"
 
 #include "evaluate.h"
 
+#include "hf_models.h"
 #include "torchscript_model.h"
 
 #include <fusetrain/amp/float8_linear.h>
@@ -18,68 +21,6 @@ namespace fusetrain::trainer {
 
 namespace nn = torch::nn;
 
-void ModelImpl::make_head(int64_t in, int64_t out, bool float32) {
-  nn::Linear linear(in, out);
-  if (float32) {
-    head32_ = register_module("head", amp::keep_float32(linear));
-  } else {
-    head_ = register_module("head", linear);
-  }
-}
-
-at::Tensor ModelImpl::apply_head(const at::Tensor& x) {
-  return head32_ ? head32_->forward(x) : head_->forward(x);
-}
-
-at::Tensor ModelImpl::forward(const at::Tensor& x, const at::Tensor& targets,
-                              double label_smoothing) {
-  return float32_cross_entropy(forward(x), targets, at::Reduction::Mean, label_smoothing);
-}
-
-at::Tensor ModelImpl::head_loss(const at::Tensor& features, const at::Tensor& targets,
-                                double label_smoothing) {
-  // torch's linear_cross_entropy takes rows [N, in]: the positions flattened.
-  const at::Tensor rows = features.reshape({-1, features.size(-1)});
-  const at::Tensor flat_targets = targets.reshape({-1});
-  fusetrain::nn::LinearCrossEntropyFuncOptions options;
-  options.label_smoothing = label_smoothing;
-  if (head32_) {
-    const nn::Linear& linear = head32_->inner();
-    options.linear_bias = linear->bias;
-    const amp::Float32Guard float32;
-    return fusetrain::nn::linear_cross_entropy(rows.to(at::kFloat), linear->weight, flat_targets,
-                                               options);
-  }
-  options.linear_bias = head_->bias;
-  return fusetrain::nn::linear_cross_entropy(rows, head_->weight, flat_targets, options)
-      .to(at::kFloat);
-}
-
-void ModelImpl::use_channels_last() {
-  at::NoGradGuard no_grad;
-  for (at::Tensor& t : parameters()) {
-    if (t.dim() == 4) t.set_data(t.contiguous(at::MemoryFormat::ChannelsLast));
-  }
-  for (at::Tensor& t : buffers()) {
-    if (t.dim() == 4) t.set_data(t.contiguous(at::MemoryFormat::ChannelsLast));
-  }
-  channels_last_ = true;
-}
-
-at::Tensor ModelImpl::as_input(const at::Tensor& x) const {
-  if (!channels_last_ || x.dim() != 4) return x;
-  if (x.size(1) == 1 && x.is_contiguous()) {
-    // One channel (Fashion-MNIST): contiguous(ChannelsLast) keeps the NCHW
-    // strides, as valid for one channel, and the first convolution, whose
-    // kernel [C, 1, kh, kw] looks NCHW too, then runs and answers in NCHW;
-    // every later layer of the block converted it back (copies of each
-    // activation of the block, forward and backward). The same memory viewed
-    // with channels_last strides keeps the whole network channels_last.
-    return x.as_strided(x.sizes(), {x.size(2) * x.size(3), 1, x.size(3), 1});
-  }
-  return x.contiguous(at::MemoryFormat::ChannelsLast);
-}
-
 namespace {
 
 at::Tensor batch_norm_act(nn::BatchNorm2dImpl& bn, const at::Tensor& x, bool relu, bool fused) {
@@ -89,14 +30,6 @@ at::Tensor batch_norm_act(nn::BatchNorm2dImpl& bn, const at::Tensor& x, bool rel
 }
 
 }  // namespace
-
-at::Tensor ModelImpl::batch_norm(nn::BatchNorm2dImpl& bn, const at::Tensor& x, bool relu) const {
-  return batch_norm_act(bn, x, relu, fused_batch_norm_);
-}
-
-at::Tensor ModelImpl::max_pool(nn::MaxPool2dImpl& pool, const at::Tensor& x) const {
-  return fused_max_pool_ ? fusetrain::nn::max_pool2d(pool, x) : pool.forward(x);
-}
 
 std::vector<int64_t> cnn_convs_per_block(const Config& config) {
   const size_t blocks = config.get_int_list("model.channels").size();
@@ -466,13 +399,65 @@ class GptImpl : public ModelImpl {
 
 }  // namespace
 
+const std::vector<std::string>& builtin_models() {
+  static const std::vector<std::string> names = {"mlp", "cnn", "resnet", "gpt", "gpt2", "llama", "torchscript"};
+  return names;
+}
+
+bool is_token_model(const std::string& name) { return name == "gpt" || is_hf_model(name); }
+
+ModelConfig model_config(const Config& config) {
+  ModelConfig m;
+  for (auto& key : config.model_keys()) m.set(key.name, std::move(key.value), key.origin);
+  m.set_float32_head(config.get_bool("precision.float32_head"));
+  m.set_precision_policy(config.get_string("precision.policy"));
+  return m;
+}
+
+DatasetInfo dataset_info(const Dataset& data) {
+  DatasetInfo d;
+  d.num_classes = data.num_classes;
+  d.input_shape = data.input_shape;
+  d.is_tokens = data.is_tokens;
+  d.description = data.description;
+  return d;
+}
+
+namespace {
+
+// A plugin's model from model.library: built, then checked with one forward
+// on two training samples, so that a model that does not fit the data fails
+// before training with what it returned.
+Model make_plugin_model(const Config& config, const Dataset& data) {
+  const std::string& name = config.get_string("model.name");
+  load_model_library(config.get_string("model.library"), name);
+  const ModelFactory* factory = find_registered_model(name);
+  Model model;
+  try {
+    model = (*factory)(model_config(config), dataset_info(data));
+  } catch (const UsageError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw config.error("model.name", "the plugin's factory failed: " + std::string(e.what()));
+  }
+  if (!model) throw config.error("model.name", "the plugin's factory returned no model");
+  if (model->parameters().empty()) {
+    throw config.error("model.name", "the plugin's model registers no parameters: nothing to train "
+                                     "(register_parameter / register_module)");
+  }
+  return model;
+}
+
+}  // namespace
+
 Model make_model(const Config& config, const Dataset& data) {
   const std::string& name = config.get_string("model.name");
+  if (!config.get_string("model.library").empty()) return make_plugin_model(config, data);
   if (name == "torchscript") return load_torchscript_model(config, data);
-  if (name == "gpt" && !data.is_tokens) {
-    throw config.error("model.name", "gpt needs token data (data.name=tokens, text or synthetic)");
+  if (is_token_model(name) && !data.is_tokens) {
+    throw config.error("model.name", name + " needs token data (data.name=tokens, text or synthetic)");
   }
-  if (name != "gpt" && data.is_tokens) {
+  if (!is_token_model(name) && data.is_tokens) {
     throw config.error("model.name", name + " needs images or feature vectors (data.name="
                                             "fashion_mnist, tensors or synthetic), not " +
                                             config.get_string("data.name"));
@@ -482,6 +467,7 @@ Model make_model(const Config& config, const Dataset& data) {
                                          c10::str(c10::IntArrayRef(data.input_shape)) +
                                          " per sample: use model.name=mlp");
   }
+  if (is_hf_model(name)) return make_hf_model(config, hf_config(config, data.num_classes), dataset_info(data));
   if (name == "mlp") return std::make_shared<MlpImpl>(config, data);
   if (name == "cnn") return std::make_shared<CnnImpl>(config, data);
   if (name == "resnet") return std::make_shared<ResNetImpl>(config, data);
@@ -490,10 +476,7 @@ Model make_model(const Config& config, const Dataset& data) {
 
 void cast_for_master_weights(const Model& model, at::ScalarType dtype) {
   for (const auto& m : model->modules(/*include_self=*/false)) {
-    if (dynamic_cast<nn::Conv2dImpl*>(m.get()) || dynamic_cast<nn::LinearImpl*>(m.get()) ||
-        dynamic_cast<nn::EmbeddingImpl*>(m.get()) || is_torchscript_weight_layer(*m)) {
-      m->to(dtype);
-    }
+    if (model->is_weight_layer(*m) || is_torchscript_weight_layer(*m)) m->to(dtype);
   }
 }
 

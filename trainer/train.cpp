@@ -27,6 +27,7 @@
 #include "evaluate.h"
 #include "format.h"
 #include "loader.h"
+#include "hf_models.h"
 #include "models.h"
 #include "metrics.h"
 #include "progress.h"
@@ -388,6 +389,8 @@ TensorDict Trainer::snapshot() {
   d.emplace_back("meta.format", scalar_entry(kFormatVersion));
   d.emplace_back("config.yaml", text_tensor(config_.to_yaml()));
   d.emplace_back("config.name", text_tensor(config_.name()));
+  // gpt2, llama: the config.json that `export --hf` writes back.
+  if (const auto* hf = hf_config_of(*model_)) d.emplace_back("meta.hf_config", text_tensor(hf->dump()));
   d.emplace_back("trainer.step", scalar_entry(step_));
   d.emplace_back("trainer.epoch", scalar_entry(step_ / steps_per_epoch_));
   d.emplace_back("trainer.step_in_epoch", scalar_entry(step_ % steps_per_epoch_));
@@ -1219,11 +1222,23 @@ void check_before_start(const Config& config, int world_size, int local_world_si
                        "needs a mixed policy (precision.policy=mixed_float16 or mixed_bfloat16)");
   }
   const std::string& model = config.get_string("model.name");
+  const bool plugin = !config.get_string("model.library").empty();
+  config.check_model_keys();
+  const auto& builtin = builtin_models();
+  if (!plugin && std::find(builtin.begin(), builtin.end(), model) == builtin.end()) {
+    std::string names;
+    for (const auto& n : builtin) names += (names.empty() ? "" : ", ") + n;
+    throw config.error("model.name", "is not a built-in model (" + names +
+                                         "); a plugin's model needs model.library, the plugin's file");
+  }
+  if (!config.get_string("model.pretrained").empty() && (plugin || !is_hf_model(model))) {
+    throw config.error("model.pretrained", "reads Hugging Face checkpoints into model.name=gpt2 or llama");
+  }
   if (policy.is_float8()) {
-    if (model == "torchscript") {
+    if (model == "torchscript" || plugin || is_hf_model(model)) {
       throw config.error("precision.policy",
-                         "mixed_float8 swaps the built-in models' linear layers; for a TorchScript "
-                         "model use mixed_bfloat16 (or apply fusetrain.amp.apply_policy in Python)");
+                         "mixed_float8 swaps the linear layers of mlp, cnn and gpt; for " + model +
+                             " use mixed_bfloat16 (or, in Python, fusetrain.amp.apply_policy)");
     }
     try {
       amp::check_float8_device(cuda ? c10::Device(c10::DeviceType::CUDA, 0) : c10::Device(c10::kCPU));
@@ -1233,7 +1248,7 @@ void check_before_start(const Config& config, int world_size, int local_world_si
   }
   const std::string& data = config.get_string("data.name");
   const bool tokens = data == "text" || data == "tokens" || data == "synthetic_tokens" ||
-                      (data == "synthetic" && model == "gpt");
+                      (data == "synthetic" && is_token_model(model));
   if (model != "torchscript" && !config.get_string("precision.float32_modules").empty()) {
     throw config.error("precision.float32_modules",
                        "names submodules of a TorchScript model (model.name=torchscript); the "
@@ -1243,10 +1258,13 @@ void check_before_start(const Config& config, int world_size, int local_world_si
     const std::string& path = config.get_string("model.path");
     if (path.empty()) throw config.error("model.path", "model.name=torchscript needs the module's file");
     if (!is_file(path)) throw config.error("model.path", "no such file");
-  } else if ((model == "gpt") != tokens) {
-    throw config.error("model.name", model == "gpt"
-                                         ? "gpt trains on tokens: set data.name=tokens, text or synthetic"
+  } else if (!plugin && is_token_model(model) != tokens) {
+    throw config.error("model.name", is_token_model(model)
+                                         ? model + " trains on tokens: set data.name=tokens, text or synthetic"
                                          : model + " trains on images or feature vectors: set data.name=fashion_mnist, tensors or synthetic");
+  }
+  if (plugin && !is_file(config.get_string("model.library"))) {
+    throw config.error("model.library", "no such file (build the plugin with fusetrain_add_model_plugin)");
   }
   if (model == "cnn") cnn_convs_per_block(config);  // throws on a count per block that does not fit
   check_data_available(config);
