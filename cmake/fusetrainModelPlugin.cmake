@@ -18,8 +18,7 @@ function(fusetrain_add_model_plugin target)
   get_target_property(_fusetrain_features fusetrain::fusetrain INTERFACE_COMPILE_FEATURES)
   set_target_properties(${target} PROPERTIES
     POSITION_INDEPENDENT_CODE ON
-    PREFIX "lib"
-    CXX_EXTENSIONS OFF)
+    PREFIX "lib")
   if(NOT _fusetrain_features)
     target_compile_features(${target} PRIVATE cxx_std_17)
   endif()

@@ -679,12 +679,13 @@ std::vector<Config::ModelKey> Config::model_keys() const {
     bool b = false;
     int64_t i = 0;
     double d = 0;
-    if (parse_bool(text, b)) {
-      m.value = b;
-    } else if (parse_int(text, i)) {
+    // As YAML reads a scalar: a number first ("1" is an integer, not true).
+    if (parse_int(text, i)) {
       m.value = i;
     } else if (parse_float(text, d)) {
       m.value = d;
+    } else if (parse_bool(text, b)) {
+      m.value = b;
     } else if (text.find(',') != std::string::npos || (!text.empty() && text.front() == '[')) {
       std::vector<int64_t> list;
       bool ints = true;

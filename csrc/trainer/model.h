@@ -6,8 +6,8 @@
 //   class TwoLayerImpl : public fusetrain::trainer::ModelImpl {
 //    public:
 //     TwoLayerImpl(const fusetrain::trainer::ModelConfig& c, const fusetrain::trainer::DatasetInfo& d) {
-//       hidden_ = register_module("hidden", torch::nn::Linear(d.features(), c.get_int("width", 256)));
-//       make_head(c.get_int("width", 256), d.num_classes, c.float32_head());
+//       hidden_ = register_module("hidden", torch::nn::Linear(d.features(), c.get_int("hidden_width", 256)));
+//       make_head(c.get_int("hidden_width", 256), d.num_classes, c.float32_head());
 //     }
 //     at::Tensor forward(const at::Tensor& x) override {
 //       return apply_head(hidden_(x.flatten(1)).relu());
@@ -49,11 +49,14 @@
 namespace fusetrain::trainer {
 
 /// The `model.*` section of a run's configuration, as a plugin's factory
-/// receives it: every key the config sets under `model:` (the trainer's own,
-/// such as `model.dropout`, and any other the plugin reads), typed as YAML
-/// would read it. Keys are named without the section: get_int("width") reads
-/// `model.width`. A missing key without a default, or one of another type, is
-/// a UsageError naming the key and where it was set.
+/// receives it: every key of the trainer's schema (`model.dropout`,
+/// `model.seq_len`, ...: typed by the schema, at its default unless set),
+/// and every other key the config sets under `model:`, typed as YAML reads
+/// it. A plugin's own keys must not reuse a schema name (`fusetrain train
+/// --list-keys`), whose default would shadow the plugin's. Keys are named
+/// without the section: get_int("block_width") reads `model.block_width`.
+/// A missing key without a default, or one of another type, is a
+/// UsageError naming the key and where it was set.
 class ModelConfig {
  public:
   using Value = std::variant<bool, int64_t, double, std::string, std::vector<int64_t>>;
