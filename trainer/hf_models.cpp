@@ -627,8 +627,25 @@ std::string export_hf(const std::string& checkpoint, const std::string& out) {
     if (key.rfind("model.", 0) != 0) continue;
     tensors.emplace_back(key.substr(6), t);
   }
-  const fs::path target(out);
-  const fs::path tmp = target.string() + ".tmp-" + std::to_string(::getpid());
+  fs::path target(out);
+  if (!target.has_filename()) target = target.parent_path();  // "out/"
+  // Only an earlier export (config.json and model.safetensors, nothing
+  // else) is replaced: never a model folder with its tokenizer, nor any other.
+  if (fs::exists(target)) {
+    bool export_only = fs::is_directory(target) && fs::is_regular_file(target / "config.json");
+    if (export_only) {
+      for (const auto& e : fs::directory_iterator(target)) {
+        const std::string name = e.path().filename().string();
+        export_only = export_only && (name == "config.json" || name == "model.safetensors");
+      }
+    }
+    if (!export_only) {
+      throw UsageError("--hf " + out + ": exists and is not an earlier export (config.json and "
+                       "model.safetensors only); choose a new path");
+    }
+  }
+  const fs::path tmp =
+      target.parent_path() / ("." + target.filename().string() + ".tmp-" + std::to_string(::getpid()));
   fs::remove_all(tmp);
   fs::create_directories(tmp);
   {
@@ -637,14 +654,7 @@ std::string export_hf(const std::string& checkpoint, const std::string& out) {
     if (!cfg.good()) throw std::runtime_error("cannot write " + (tmp / "config.json").string());
   }
   write_safetensors(tmp / "model.safetensors", tensors);
-  if (fs::exists(target)) {
-    // Only a previous export is replaced, never a folder of other files.
-    if (!fs::is_directory(target) || !fs::is_regular_file(target / "config.json")) {
-      fs::remove_all(tmp);
-      throw UsageError("--hf " + out + ": exists and is not a Hugging Face model folder; choose a new path");
-    }
-    fs::remove_all(target);
-  }
+  if (fs::exists(target)) fs::remove_all(target);
   fs::rename(tmp, target);
   return std::to_string(tensors.size()) + " tensors, " + hf.value("model_type", std::string("?"));
 }
