@@ -22,4 +22,5 @@
 #include <fusetrain/ops/optim.h>
 #include <fusetrain/optim/fused.h>
 #include <fusetrain/optim/zero.h>
+#include <fusetrain/trainer/model.h>
 #include <fusetrain/version.h>

@@ -521,6 +521,13 @@ void Config::set(const std::string& k, const std::string& raw, const std::string
       break;
     }
     case KeyType::kString:
+      // A relative path is made absolute against the working directory now
+      // (a config file's were already made relative to it): the resolved
+      // config travels to the ranks in a private file elsewhere and into
+      // checkpoints, and must name the same files there.
+      if (is_path_key(k) && !text.empty() && std::filesystem::path(text).is_relative()) {
+        canonical = std::filesystem::absolute(text).lexically_normal().string();
+      }
       break;
     case KeyType::kIntList: {
       const auto items = split_list(text);

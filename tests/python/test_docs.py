@@ -143,7 +143,7 @@ def test_every_marker_is_known():
         elif b.lang in ("sh", "bash"):
             assert b.marker in _SHELL_MARKERS, (
                 f"{b.where}: a shell block's markers are {', '.join(map(repr, _SHELL_MARKERS))}, got {b.marker!r}")
-        elif b.lang == "cpp":
+        elif b.lang in ("cpp", "cmake"):
             kind, _, arg = b.marker.partition(" ")
             assert kind in ("excerpt", "fragment"), f"{b.where}: unknown cpp marker {b.marker!r}"
             if kind == "excerpt":
@@ -271,7 +271,7 @@ def test_public_names_have_docstrings(modname, members):
                        f"describe ({len(found)}):\n" + "\n".join(found))
 
 
-@pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.lang == "cpp" and b.marker
+@pytest.mark.parametrize("block", [b for b in ALL_BLOCKS if b.lang in ("cpp", "cmake") and b.marker
                                    and b.marker.startswith("excerpt ")], ids=lambda b: b.where)
 def test_cpp_excerpts_match_their_program(block):
     source = [line.strip() for line in (ROOT / block.marker.split(None, 1)[1]).read_text().splitlines()]
