@@ -492,3 +492,19 @@ def test_resume_continues_bit_for_bit(tmp_path, folder, tokens):
     assert keys and sorted(keys) == sorted(k for k in b if k.startswith(("model.", "optim.")))
     differ = [k for k in keys if not torch.equal(a[k], b[k])]
     assert not differ, differ[:5]
+
+
+def test_relative_paths_reach_every_rank(tmp_path, folder, tokens):
+    """--set paths relative to the working directory name the same files in
+    the two ranks, which read the resolved config from a private file
+    elsewhere (they once looked for the token file beside it)."""
+    shutil.copytree(folder("llama_gqa"), tmp_path / "model")
+    shutil.copy(tokens, tmp_path / "tokens.bin")
+    one_rank = SMALL.index("--nproc")
+    two_ranks = SMALL[:one_rank] + ("--nproc", "2") + SMALL[one_rank + 2:]
+    p = ok(run("train", "--run-dir", "run", *two_ranks, "--set", "model.name=llama",
+               "--set", "model.pretrained=model", "--set", "data.path=tokens.bin",
+               "--set", "train.max_steps=2", cwd=tmp_path, timeout=300))
+    assert last_checkpoint(tmp_path / "run").exists(), p.stdout
+    assert "2 ranks on cpu" in p.stdout, p.stdout
+    assert str(tmp_path / "tokens.bin") in (tmp_path / "run" / "config.yaml").read_text()
