@@ -143,7 +143,7 @@ def _load_model(spec: dict, seen: dict):
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     model = transformers.LlamaForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
-    model.train()
+    model.to(spec.get("device", "cpu")).train()
 
     def hook(module, inputs, output):
         if module.training and "matmul_dtype" not in seen:
@@ -154,10 +154,17 @@ def _load_model(spec: dict, seen: dict):
     return model
 
 
+def _sync(spec: dict) -> None:
+    """A step's end on the GPU is when its kernels finish."""
+    if spec.get("device", "cpu") == "cuda":
+        torch.cuda.synchronize()
+
+
 def _check_loss(model, ids: torch.Tensor) -> float:
     """|model(..., labels=y, shift_labels=y).loss - cross_entropy(logits, y)| on two windows, float32:
     the targets are taken as given (not shifted a second time)."""
-    x, y = ids[:2, :-1].contiguous(), ids[:2, 1:].contiguous()
+    device = next(model.parameters()).device
+    x, y = ids[:2, :-1].contiguous().to(device), ids[:2, 1:].contiguous().to(device)
     with torch.no_grad():
         model.eval()
         out = model(input_ids=x, labels=y, shift_labels=y)
@@ -185,6 +192,7 @@ def worker_hf(spec: dict) -> dict:
             self.begin.append(time.perf_counter())
 
         def on_step_end(self, args, state, control, **kwargs):
+            _sync(spec)
             self.end.append(time.perf_counter())
 
     class Trainer(transformers.Trainer):
@@ -198,7 +206,7 @@ def worker_hf(spec: dict) -> dict:
         output_dir=spec["scratch"], max_steps=spec["total"], per_device_train_batch_size=spec["batch"],
         learning_rate=spec["lr"], weight_decay=spec["weight_decay"], adam_beta1=0.9, adam_beta2=0.999,
         adam_epsilon=1e-8, lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=spec["clip"],
-        optim="adamw_torch_fused", bf16=spec["bf16"], use_cpu=True, logging_strategy="no",
+        optim="adamw_torch_fused", bf16=spec["bf16"], use_cpu=spec.get("device", "cpu") == "cpu", logging_strategy="no",
         save_strategy="no", eval_strategy="no", report_to=[], dataloader_num_workers=0, disable_tqdm=True,
         remove_unused_columns=False, seed=spec["seed"], data_seed=spec["seed"],
     )
@@ -231,8 +239,9 @@ def worker_plain(spec: dict) -> dict:
     b, losses, ends = spec["batch"], [], []
     for step in range(spec["total"]):
         w = ids[step * b:(step + 1) * b]
-        x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec["bf16"]):
+        x, y = (w[:, :-1].contiguous().to(spec.get("device", "cpu")),
+                w[:, 1:].contiguous().to(spec.get("device", "cpu")))
+        with torch.autocast(spec.get("device", "cpu"), dtype=torch.bfloat16, enabled=spec["bf16"]):
             loss = model(input_ids=x, labels=y, shift_labels=y).loss
         loss.backward()
         if spec["clip"] > 0:
@@ -240,6 +249,7 @@ def worker_plain(spec: dict) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
+        _sync(spec)
         ends.append(time.perf_counter())
     groups = [{"params": sum(p.numel() for p in g["params"]), "weight_decay": g["weight_decay"]}
               for g in opt.param_groups]
@@ -304,7 +314,7 @@ def fusetrain_cmd(cfg: dict, work: Path, run_dir: Path) -> list:
         "train.max_steps": cfg["total"], "train.log_every": 1, "train.eval_every": 0, "train.seed": cfg["seed"],
         "precision.policy": "mixed_bfloat16" if cfg["bf16"] else "float32",
         "precision.float32_head": str(cfg["float32_head"]).lower(),
-        "runtime.threads": cfg["threads"], "output.checkpoint_every": 0, "output.curves": "false",
+        "runtime.threads": cfg["threads"], "runtime.device": cfg["device"], "output.checkpoint_every": 0, "output.curves": "false",
         "output.progress": "lines",
     }
     for item in cfg.get("fusetrain_set", []):
@@ -374,6 +384,10 @@ def sizes(args) -> dict:
     if args.quick:
         base = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=176, vocab=512, seq_len=32, batch=4,
                     steps=6, warmup=2)
+    elif args.large:
+        # The GPU's size: about 200M parameters, windows of 1024 tokens.
+        base = dict(hidden=1024, layers=16, heads=16, kv_heads=8, intermediate=2816, vocab=32000, seq_len=1024,
+                    batch=8, steps=30, warmup=5)
     else:
         base = dict(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1408, vocab=8192, seq_len=256,
                     batch=8, steps=30, warmup=5)
@@ -442,6 +456,10 @@ def main(argv=None) -> int:
                     help="auto: bf16 autocast where oneDNN has bf16 on this CPU, else float32")
     ap.add_argument("--float32-head", dest="float32_head", choices=("true", "false"), default="true",
                     help="fusetrain's precision.float32_head (its default true; HF's head runs in bf16)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where all three train (cuda: bf16 autocast; fusetrain with its CUDA defaults)")
+    ap.add_argument("--large", action="store_true",
+                    help="a ~200M-parameter Llama with 1024-token windows (the GPU check's size)")
     ap.add_argument("--fusetrain-set", dest="fusetrain_set", action="append", default=[], metavar="KEY=VALUE",
                     help="another --set for fusetrain's run (repeatable), e.g. precision.master_weights=true")
     ap.add_argument("--repeats", type=int, default=1, help="rounds of the three variants (medians)")
@@ -462,16 +480,20 @@ def main(argv=None) -> int:
         print(f"bench_hf_finetune: {BIN} is missing; build it first (make build)", file=sys.stderr)
         return 2
     torch.set_num_threads(args.threads)
-    bf16 = {"bf16": True, "fp32": False}.get(args.precision, bf16_supported())
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        print("bench_hf_finetune: --device cuda, and torch sees no GPU", file=sys.stderr)
+        return 2
+    bf16 = {"bf16": True, "fp32": False}.get(args.precision, True if cuda else bf16_supported())
     cfg = dict(sizes(args), tie=args.tie, lr=args.lr, weight_decay=args.weight_decay, clip=args.clip,
                bf16=bf16, float32_head=args.float32_head == "true", threads=args.threads, seed=args.seed,
-               timeout=args.timeout, fusetrain_set=args.fusetrain_set)
+               timeout=args.timeout, fusetrain_set=args.fusetrain_set, device=args.device)
     cfg["total"] = cfg["warmup"] + cfg["steps"]
     if cfg["warmup"] < 1 or cfg["steps"] < 1:
         ap.error("--warmup and --steps must be at least 1")
     t, b = cfg["seq_len"], cfg["batch"]
 
-    info = machine_info(torch.device("cpu"), args.threads)
+    info = machine_info(torch.device(args.device), args.threads)
     import transformers
 
     info["transformers"] = transformers.__version__
@@ -628,7 +650,8 @@ def main(argv=None) -> int:
     }
     out_dir = args.results_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    out = out_dir / f"hf_finetune{'-quick' if args.quick else ''}-{machine_slug(info)}-{payload['date']}.json"
+    size = '-quick' if args.quick else '-large' if args.large else ''
+    out = out_dir / f"hf_finetune{size}-{machine_slug(info)}-{payload['date']}.json"
     out.write_text(json.dumps(payload, indent=1) + "\n")
     env_out = os.environ.get("OUT")
     if env_out and Path(env_out).is_dir():

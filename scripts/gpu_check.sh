@@ -15,11 +15,11 @@
 # them: two calls on a warm machine (the build in build-gpu/ stays between
 # calls, so the second one only relinks) split one long run into two that
 # each fit a device call with room to spare.
-# $OUT gets 9 logs and this run's results JSON (bench/run.py's, and
+# $OUT gets 10 logs and this run's results JSON (bench/run.py's, hf_finetune-large-<gpu>-<date>.json, and
 # bench_fsdp2.py's fsdp2-<gpu>-<date>.json and fsdp2-large-...): gpu_build,
 # gpu_cpp_tests, gpu_py_tests, gpu_bench (headline), gpu_bench_fp8 (float8 vs
 # bf16, bench/bench_fp8.py, ~30-60 s), gpu_bench_lce (linear cross-entropy),
-# gpu_bench_fsdp2 (FSDP2, issue 41), gpu_bench_integrations (Lightning, HF
+# gpu_bench_fsdp2 (FSDP2, issue 41), gpu_bench_hf_finetune (issue 51), gpu_bench_integrations (Lightning, HF
 # Trainer; issue 39), gpu_bench_rest, gpu_trainer. The device
 # tool returns at most 8 files, so when $OUT is set and holds more, the logs
 # go into one gpu_logs.tar.gz at the end (the JSON stay loose).
@@ -210,6 +210,16 @@ run_stage "benchmarks (fp8)" "$(cap_for 120 60)" "$OUTDIR/gpu_bench_fp8.log" \
 stamp "benchmarks (GPU): linear cross-entropy"
 run_stage "benchmarks (linear cross-entropy)" "$(cap_for 120 30)" "$OUTDIR/gpu_bench_lce.log" \
   "$PY" bench/run.py --device cuda --results-dir "$RESULTS" --only linear_cross_entropy
+# Issue 51: fine-tuning a ~200M-parameter Llama from a Hugging Face folder,
+# the CLI (model.pretrained) against the Hugging Face Trainer and a plain
+# loop, bf16, 30 steps each; only where the box has transformers.
+stamp "benchmarks (GPU): hf_finetune"
+if "$PY" -c "import transformers" 2>/dev/null; then
+  run_stage "benchmarks (hf_finetune)" "$(cap_for 150 30)" "$OUTDIR/gpu_bench_hf_finetune.log" \
+    "$PY" bench/bench_hf_finetune.py --device cuda --large --results-dir "$RESULTS"
+else
+  skipped+=("the Llama fine-tune benchmark: the box has no transformers")
+fi
 # Issue 41: FSDP2 on the GPU, one rank (NCCL), fully_shard on a 1-rank mesh
 # so the parameters are DTensors: FusedAdamW's opt.step() against torch's
 # AdamW fused and foreach, the 10.5M GPT and a 117M one (--size large),

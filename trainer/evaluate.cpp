@@ -2,6 +2,7 @@
 
 #include "checkpoint.h"
 #include "format.h"
+#include "hf_models.h"
 #include "progress.h"
 #include "state.h"
 #include "train.h"
@@ -58,10 +59,10 @@ int run_eval(const std::string& checkpoint, const std::vector<std::string>& over
   const at::Device device = device_of(config, 0);
   const amp::Policy policy(config.get_string("precision.policy"));
   const Dataset data = load_dataset(config, device);
-  Model model = make_model(config, data);
+  const TensorDict ckpt = read_checkpoint(checkpoint);
+  Model model = make_model(config, data, stored_hf_config(ckpt));
   model->to(device);
   if (wants_channels_last(config)) model->use_channels_last();
-  const TensorDict ckpt = read_checkpoint(checkpoint);
   load_model(ckpt, checkpoint, model);
   std::vector<at::Tensor> logits;
   const auto t0 = std::chrono::steady_clock::now();

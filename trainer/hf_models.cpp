@@ -528,7 +528,7 @@ std::map<std::string, std::pair<at::Tensor, std::string>> read_hf_weights(const 
   return out;
 }
 
-void load_pretrained(ModelImpl& model, const std::string& dir, const std::string& family) {
+void load_weights(ModelImpl& model, const std::string& dir, const std::string& family) {
   auto weights = read_hf_weights(dir);
   // GPT-2's original checkpoints name its tensors without "transformer.".
   const std::string base = family == "gpt2" ? "transformer." : "";
@@ -586,7 +586,7 @@ void write_safetensors(const fs::path& path, const std::vector<std::pair<std::st
 
 }  // namespace
 
-Model make_hf_model(const Config& config, const json& hf, const DatasetInfo& data) {
+Model make_hf_model(const Config& config, const json& hf, const DatasetInfo& data, bool load_pretrained) {
   const std::string& family = config.get_string("model.name");
   const bool float32_head = config.get_bool("precision.float32_head");
   const bool fused = config.get_bool("model.fused_head_loss");
@@ -604,8 +604,14 @@ Model make_hf_model(const Config& config, const json& hf, const DatasetInfo& dat
                                         "model's \"" + positions + "\": " + std::to_string(max_t));
   }
   const std::string& dir = config.get_string("model.pretrained");
-  if (!dir.empty()) load_pretrained(*model, dir, family);
+  if (!dir.empty() && load_pretrained) load_weights(*model, dir, family);
   return model;
+}
+
+std::string stored_hf_config(const TensorDict& checkpoint) {
+  return has_entry(checkpoint, "meta.hf_config")
+             ? tensor_text(checkpoint_entry(checkpoint, "meta.hf_config", "checkpoint"))
+             : std::string();
 }
 
 const json* hf_config_of(const ModelImpl& model) {

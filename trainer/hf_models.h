@@ -9,6 +9,7 @@
 // from the model.* keys, turned into the config.json the export writes.
 #pragma once
 
+#include "checkpoint.h"
 #include "config.h"
 #include "models.h"
 
@@ -27,8 +28,13 @@ bool is_hf_model(const std::string& name);
 nlohmann::json hf_config(const Config& config, int64_t vocab);
 
 /// Builds model.name (gpt2 or llama) from `hf` (hf_config), initialised as
-/// transformers does, then loads model.pretrained's weights when set.
-Model make_hf_model(const Config& config, const nlohmann::json& hf, const DatasetInfo& data);
+/// transformers does, then loads model.pretrained's weights when set and
+/// `load_pretrained`.
+Model make_hf_model(const Config& config, const nlohmann::json& hf, const DatasetInfo& data,
+                    bool load_pretrained = true);
+
+/// The config.json a checkpoint of a gpt2 or llama run keeps, or "".
+std::string stored_hf_config(const TensorDict& checkpoint);
 
 /// The config.json of a model from make_hf_model (what the checkpoint keeps
 /// as "meta.hf_config"), or nullptr for any other model.

@@ -450,7 +450,7 @@ Model make_plugin_model(const Config& config, const Dataset& data) {
 
 }  // namespace
 
-Model make_model(const Config& config, const Dataset& data) {
+Model make_model(const Config& config, const Dataset& data, const std::string& hf_config_json) {
   const std::string& name = config.get_string("model.name");
   if (!config.get_string("model.library").empty()) return make_plugin_model(config, data);
   if (name == "torchscript") return load_torchscript_model(config, data);
@@ -466,6 +466,10 @@ Model make_model(const Config& config, const Dataset& data) {
     throw config.error("model.name", name + " needs images [C, H, W] (or [H, W]); the inputs are " +
                                          c10::str(c10::IntArrayRef(data.input_shape)) +
                                          " per sample: use model.name=mlp");
+  }
+  if (is_hf_model(name) && !hf_config_json.empty()) {
+    return make_hf_model(config, nlohmann::json::parse(hf_config_json), dataset_info(data),
+                         /*load_pretrained=*/false);
   }
   if (is_hf_model(name)) return make_hf_model(config, hf_config(config, data.num_classes), dataset_info(data));
   if (name == "mlp") return std::make_shared<MlpImpl>(config, data);

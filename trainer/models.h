@@ -24,7 +24,12 @@ namespace fusetrain::trainer {
 /// Builds the model the config names (model.*) for the dataset's shapes:
 /// a built-in one, or a plugin's from model.library. Parameters are
 /// initialised from the current default generator.
-Model make_model(const Config& config, const Dataset& data);
+///
+/// `hf_config_json`, for gpt2 and llama: the config.json a checkpoint keeps
+/// ("meta.hf_config"). Given (a resume, an eval), the model is built from it
+/// and model.pretrained is neither read nor loaded: the checkpoint's tensors
+/// replace the weights, and the folder may have moved since.
+Model make_model(const Config& config, const Dataset& data, const std::string& hf_config_json = "");
 
 /// model.convs_per_block as one count per block of model.channels (a single
 /// count stands for every block); a usage error when the counts do not match.

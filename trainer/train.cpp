@@ -293,7 +293,12 @@ void Trainer::build() {
   const at::Device data_device = loader ? at::Device(at::kCPU) : device_;
   data_ = load_dataset(config_, device_, data_device);
   augment_ = augmentation_from(config_, data_);
-  model_ = make_model(config_, data_);
+  // A resumed gpt2 or llama is built from the config.json its checkpoint
+  // keeps, without reading model.pretrained again (restore() loads it all).
+  model_ = make_model(config_, data_,
+                      plan_.checkpoint.empty() || !is_hf_model(config_.get_string("model.name"))
+                          ? std::string()
+                          : stored_hf_config(read_checkpoint(plan_.checkpoint)));
   model_->to(device_);
   if (config_.get_bool("precision.master_weights")) {
     cast_for_master_weights(model_, policy_.compute_dtype());
@@ -1228,8 +1233,9 @@ void check_before_start(const Config& config, int world_size, int local_world_si
   if (!plugin && std::find(builtin.begin(), builtin.end(), model) == builtin.end()) {
     std::string names;
     for (const auto& n : builtin) names += (names.empty() ? "" : ", ") + n;
-    throw config.error("model.name", "is not a built-in model (" + names +
-                                         "); a plugin's model needs model.library, the plugin's file");
+    throw config.error("model.name", "is not accepted; accepted values: " + names +
+                                         " (built in), or the name a plugin registers, with "
+                                         "model.library naming the plugin's file");
   }
   if (!config.get_string("model.pretrained").empty() && (plugin || !is_hf_model(model))) {
     throw config.error("model.pretrained", "reads Hugging Face checkpoints into model.name=gpt2 or llama");

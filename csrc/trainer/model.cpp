@@ -311,10 +311,11 @@ void load_model_library(const std::string& path, const std::string& name, const 
     already = !r.loaded_paths.insert(canonical).second;
   }
   if (!already) {
-    // RTLD_GLOBAL: the plugin's typeinfo and vtables stay resolvable from
-    // the trainer (dynamic_cast of its modules); RTLD_NOW: an unresolved
-    // symbol (another torch or fusetrain) fails here, not mid-run.
-    if (dlopen(canonical.c_str(), RTLD_NOW | RTLD_GLOBAL) == nullptr) {
+    // RTLD_NOW: an unresolved symbol (another torch or fusetrain) fails
+    // here, not mid-run. RTLD_LOCAL: the plugin's own symbols stay its own
+    // (it resolves torch's and fusetrain's from the process; nothing
+    // resolves against it but through the factory it registered).
+    if (dlopen(canonical.c_str(), RTLD_NOW | RTLD_LOCAL) == nullptr) {
       {
         const std::lock_guard<std::mutex> lock(r.mutex);
         r.loaded_paths.erase(canonical);

@@ -89,3 +89,21 @@ def test_linear_cross_entropy_cuda_rows_run_on_the_cpu(monkeypatch):
     assert floor["memory_floor_mib"] == ((n * h + c * h) * 2 + c * h * 4) / (1 << 20)
     assert set(sweep["sweep_ms"]) == {"256 rows", "512 rows"}  # the sizes below N
     assert x.grad is None and w.grad is None
+
+
+def test_hf_finetune_benchmark_runs_on_the_cpu(tmp_path):
+    """bench_hf_finetune --quick: the CLI, the HF Trainer and the plain loop
+    each fine-tune the same tiny Llama folder; its own checks (parameter
+    counts, fused AdamW, autocast on, the loss falls) pass."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    if not (ROOT / "build" / "fusetrain").exists():
+        pytest.skip("build/fusetrain is missing (make build)")
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_hf_finetune.py"), "--quick",
+                        "--results-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    for row in ("fusetrain train (CLI)", "HF Trainer", "plain PyTorch loop"):
+        assert row in p.stdout, row
+    assert "CHECK FAILED" not in p.stdout
+    assert len(list(tmp_path.glob("hf_finetune-quick-*.json"))) == 1

@@ -341,6 +341,8 @@ def test_cpp_examples_compile(tmp_path):
     include = tmp_path / "include"
     include.mkdir()
     (include / "fusetrain").symlink_to(ROOT / "csrc")
+    # The version header the build generates beside the link (trainer/model.h).
+    (include / "fusetrain_version.h").write_text('#pragma once\n#define FUSETRAIN_VERSION_STRING "0.0.0"\n')
     source = [_CPP_PRELUDE]
     for i, b in enumerate(blocks):
         source += [f"  void example_{i}() {{", f'#line {b.line} "{b.page.relative_to(ROOT)}"', b.code, "  }"]

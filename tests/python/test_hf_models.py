@@ -508,3 +508,20 @@ def test_relative_paths_reach_every_rank(tmp_path, folder, tokens):
     assert last_checkpoint(tmp_path / "run").exists(), p.stdout
     assert "2 ranks on cpu" in p.stdout, p.stdout
     assert str(tmp_path / "tokens.bin") in (tmp_path / "run" / "config.yaml").read_text()
+
+
+def test_resume_and_eval_without_the_pretrained_folder(tmp_path, folder, tokens):
+    """The checkpoint keeps the model's config.json: once the run started, the
+    folder it came from may move; resume and eval build the model from the
+    checkpoint and read nothing from model.pretrained."""
+    src = tmp_path / "model"
+    shutil.copytree(folder("llama_gqa"), src)
+    args = ("--set", f"model.pretrained={src}", "--set", "output.checkpoint_every=2",
+            "--set", "precision.policy=float32", "--set", "schedule.decay=none")
+    run_dir = tmp_path / "run"
+    ok(train(run_dir, "llama", tokens, *args, "--set", "train.max_steps=2"))
+    shutil.rmtree(src)
+    ok(train(run_dir, "llama", tokens, *args, "--set", "train.max_steps=4",
+             "--resume", last_checkpoint(run_dir)))
+    assert last_checkpoint(run_dir).name == "step_00000004.pt"
+    assert "test loss" in ok(run("eval", "--checkpoint", last_checkpoint(run_dir))).stdout

@@ -148,7 +148,7 @@ def test_plugin_keys_need_a_library(tmp_path):
 def test_unknown_model_name_without_library(tmp_path):
     p = run("train", "--config", ROOT / "configs" / "tiny.yaml", "--run-dir", tmp_path,
             "--set", "model.name=residual_mlp")
-    usage_error(p, "model.name=residual_mlp", "not a built-in model", "model.library")
+    usage_error(p, "model.name=residual_mlp", "is not accepted", "model.library")
 
 
 # ------------------------------------------------------------ as a user builds it

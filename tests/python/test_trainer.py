@@ -649,7 +649,7 @@ def test_config_overrides_are_parsed(tmp_path):
     assert c["optimizer"]["lr"] == pytest.approx(3e-4)
     assert c["precision"]["master_weights"] is True and c["precision"]["policy"] == "mixed_bfloat16"
     assert c["train"]["epochs"] == 3 and c["train"]["steps_per_execution"] == 4
-    assert c["output"]["run_dir"] == "somewhere"
+    assert c["output"]["run_dir"] == str(tmp_path / "somewhere")  # resolved in the working directory
     assert c["data"]["train_samples"] == 1024  # from the file
     assert c["optimizer"]["beta2"] == pytest.approx(0.999)  # a default
     assert not (tmp_path / "runs").exists()
