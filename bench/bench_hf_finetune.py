@@ -460,6 +460,7 @@ def main(argv=None) -> int:
                     help="where all three train (cuda: bf16 autocast; fusetrain with its CUDA defaults)")
     ap.add_argument("--large", action="store_true",
                     help="a ~200M-parameter Llama with 1024-token windows (the GPU check's size)")
+    ap.add_argument("--tag", default="", help="a word for the results file's name (hf_finetune-TAG-...)")
     ap.add_argument("--fusetrain-set", dest="fusetrain_set", action="append", default=[], metavar="KEY=VALUE",
                     help="another --set for fusetrain's run (repeatable), e.g. precision.master_weights=true")
     ap.add_argument("--repeats", type=int, default=1, help="rounds of the three variants (medians)")
@@ -650,7 +651,7 @@ def main(argv=None) -> int:
     }
     out_dir = args.results_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    size = '-quick' if args.quick else '-large' if args.large else ''
+    size = ('-quick' if args.quick else '-large' if args.large else '') + (f"-{args.tag}" if args.tag else "")
     out = out_dir / f"hf_finetune{size}-{machine_slug(info)}-{payload['date']}.json"
     out.write_text(json.dumps(payload, indent=1) + "\n")
     env_out = os.environ.get("OUT")
