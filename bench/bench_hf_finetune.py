@@ -173,14 +173,19 @@ def _check_loss(model, ids: torch.Tensor) -> float:
     return abs(out.loss.item() - ref.item())
 
 
-def worker_hf(spec: dict) -> dict:
-    import transformers
-
+def _prepare(spec: dict):
+    """Both Python variants' start: the model, the step's windows, the loss check."""
     seen = {}
     model = _load_model(spec, seen)
     ids = windows(np.fromfile(spec["tokens"], dtype=np.uint16), spec["batch"] * spec["total"], spec["seq_len"],
                   spec["seed"])
-    loss_check = _check_loss(model, ids)
+    return seen, model, ids, _check_loss(model, ids)
+
+
+def worker_hf(spec: dict) -> dict:
+    import transformers
+
+    seen, model, ids, loss_check = _prepare(spec)
     data = [{"input_ids": w[:-1], "labels": w[1:], "shift_labels": w[1:]} for w in ids]
     losses = []
 
@@ -225,11 +230,7 @@ def worker_hf(spec: dict) -> dict:
 
 
 def worker_plain(spec: dict) -> dict:
-    seen = {}
-    model = _load_model(spec, seen)
-    ids = windows(np.fromfile(spec["tokens"], dtype=np.uint16), spec["batch"] * spec["total"], spec["seq_len"],
-                  spec["seed"])
-    loss_check = _check_loss(model, ids)
+    seen, model, ids, loss_check = _prepare(spec)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
