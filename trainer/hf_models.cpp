@@ -139,9 +139,10 @@ json hf_config(const Config& c, int64_t vocab) {
   }
   const int64_t hf_vocab = require<int64_t>(hf, "vocab_size", file.string());
   if (vocab > hf_vocab) {
-    throw UsageError("data: token id " + std::to_string(vocab - 1) + " is not below " + file.string() +
-                     "'s \"vocab_size\": " + std::to_string(hf_vocab) +
-                     " (tokenize with the model's own tokenizer)");
+    throw UsageError("data.path=" + c.get_string("data.path") + ": token id " + std::to_string(vocab - 1) +
+                     " is not below " + file.string() + "'s \"vocab_size\": " + std::to_string(hf_vocab) +
+                     " (tokenize with the model's own tokenizer; data.token_dtype=" +
+                     c.get_string("data.token_dtype") + " must be the width the ids were written in)");
   }
   return hf;
 }

@@ -405,7 +405,7 @@ def test_token_ids_beyond_the_vocabulary(tmp_path, folder):
     path = tmp_path / "big.bin"
     ids.tofile(path)
     p = train(tmp_path / "run", "llama", path, "--set", f"model.pretrained={src}", *FROZEN)
-    assert_usage_error(p, f"token id {VOCAB + 3}", src / "config.json", f'"vocab_size": {VOCAB}')
+    assert_usage_error(p, "data.path=", f"token id {VOCAB + 3}", src / "config.json", f'"vocab_size": {VOCAB}')
     assert not (tmp_path / "run").exists()
     # From scratch the vocabulary is the data's: the same file trains.
     ok(train(tmp_path / "scratch", "llama", path, *SCRATCH["llama"], *FROZEN))
