@@ -100,7 +100,7 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.append(str(ROOT / "python"))  # after the environment's own fusetrain (e.g. a TORCH_VERSION build's)
 
-from common import load_averages, machine_info, machine_slug, result  # noqa: E402
+from common import load_averages, machine_info, machine_slug, result, table  # noqa: E402
 
 BIN = Path(os.environ.get("FUSETRAIN_BUILD_DIR", ROOT / "build")) / "fusetrain"
 GOAL = 1.5  # fusetrain train >= 1.5x the HF Trainer's tokens/s
@@ -422,17 +422,6 @@ def write_model(cfg: dict, path: Path) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def table(rows: list) -> str:
-    lines = ["| benchmark | ours | baseline | ratio | notes |", "|---|---|---|---|---|"]
-    for r in rows:
-        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        if r.get("meets_goal") is not None:
-            ratio += f" ({'meets' if r['meets_goal'] else 'below'} {r['goal']:g}x goal)"
-        fmt = lambda x: "n/a" if x is None else f"{x:.0f} {r['unit']}"  # noqa: E731
-        lines.append(f"| {r['benchmark']} | {fmt(r['ours'])} | {fmt(r['torch'])} | {ratio} | {r['notes']} |")
-    return "\n".join(lines)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", choices=("hf", "plain"), help=argparse.SUPPRESS)
@@ -606,7 +595,7 @@ def main(argv=None) -> int:
                 best_step_ratio=h["best_step_ms"] / o["best_step_ms"]))
     if rows:
         print()
-        print(table(rows))
+        print(table(rows, baseline="baseline"))
     print("\ntokens/s: timed steps x batch x seq_len / wall time from the end of the last warm-up step to the end "
           "of the last step (fusetrain: metrics.jsonl time_s of its per-step records; HF: on_step_end stamps; "
           "plain: perf_counter after each step)")

@@ -246,6 +246,24 @@ def result(
 # ----------------------------------------------------------------- machine
 
 
+def fmt(x, unit) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:.1f} {unit}" if x >= 10 else f"{x:.2f} {unit}"
+
+
+def table(rows: list, baseline: str = "torch") -> str:
+    """The markdown table of result() rows; `baseline` heads the reference column."""
+    lines = [f"| benchmark | ours | {baseline} | ratio | notes |", "|---|---|---|---|---|"]
+    for r in rows:
+        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        if r.get("meets_goal") is not None:
+            ratio += f" ({'meets' if r['meets_goal'] else 'below'} {r['goal']:g}x goal)"
+        ours, ref = fmt(r["ours"], r["unit"]), fmt(r["torch"], r["unit"])
+        lines.append(f"| {r['benchmark']} | {ours} | {ref} | {ratio} | {r['notes']} |")
+    return "\n".join(lines)
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -27,7 +27,7 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 
-from common import Context, loadavg, machine_info, machine_slug  # noqa: E402
+from common import Context, loadavg, machine_info, machine_slug, table  # noqa: E402
 
 
 def discover() -> list:
@@ -59,23 +59,6 @@ def parse_args(argv=None):
     )
     ap.add_argument("--no-write", action="store_true", help="print the table only")
     return ap.parse_args(argv)
-
-
-def fmt(x, unit) -> str:
-    if x is None:
-        return "n/a"
-    return f"{x:.1f} {unit}" if x >= 10 else f"{x:.2f} {unit}"
-
-
-def table(rows: list) -> str:
-    lines = ["| benchmark | ours | torch | ratio | notes |", "|---|---|---|---|---|"]
-    for r in rows:
-        ratio = "n/a" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        if r.get("meets_goal") is not None:
-            ratio += f" ({'meets' if r['meets_goal'] else 'below'} {r['goal']:g}x goal)"
-        ours, ref = fmt(r["ours"], r["unit"]), fmt(r["torch"], r["unit"])
-        lines.append(f"| {r['benchmark']} | {ours} | {ref} | {ratio} | {r['notes']} |")
-    return "\n".join(lines)
 
 
 def save(args, info: dict, now: datetime.datetime, command: str, ctx: Context, rows: list,

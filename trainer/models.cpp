@@ -425,9 +425,8 @@ DatasetInfo dataset_info(const Dataset& data) {
 
 namespace {
 
-// A plugin's model from model.library: built, then checked with one forward
-// on two training samples, so that a model that does not fit the data fails
-// before training with what it returned.
+// A plugin's model from model.library: loaded, built by its factory (whose
+// errors name the model), and refused when it registers nothing to train.
 Model make_plugin_model(const Config& config, const Dataset& data) {
   const std::string& name = config.get_string("model.name");
   load_model_library(config.get_string("model.library"), name);

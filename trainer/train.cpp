@@ -126,6 +126,9 @@ class Trainer {
  private:
   void build();
   void restore(const std::string& path);
+  // The resumed checkpoint when build() already read it (a gpt2 or llama is
+  // built from its config.json); restore() takes it rather than read again.
+  TensorDict resume_checkpoint_;
   TensorDict snapshot();
   void save_checkpoint(const std::string& reason);
   double lr_at(int64_t step) const;
@@ -295,10 +298,10 @@ void Trainer::build() {
   augment_ = augmentation_from(config_, data_);
   // A resumed gpt2 or llama is built from the config.json its checkpoint
   // keeps, without reading model.pretrained again (restore() loads it all).
-  model_ = make_model(config_, data_,
-                      plan_.checkpoint.empty() || !is_hf_model(config_.get_string("model.name"))
-                          ? std::string()
-                          : stored_hf_config(read_checkpoint(plan_.checkpoint)));
+  if (!plan_.checkpoint.empty() && is_hf_model(config_.get_string("model.name"))) {
+    resume_checkpoint_ = read_checkpoint(plan_.checkpoint);
+  }
+  model_ = make_model(config_, data_, stored_hf_config(resume_checkpoint_));
   model_->to(device_);
   if (config_.get_bool("precision.master_weights")) {
     cast_for_master_weights(model_, policy_.compute_dtype());
@@ -443,7 +446,8 @@ void Trainer::save_checkpoint(const std::string& reason) {
 }
 
 void Trainer::restore(const std::string& path) {
-  const TensorDict ckpt = read_checkpoint(path);
+  const TensorDict ckpt = resume_checkpoint_.empty() ? read_checkpoint(path) : std::move(resume_checkpoint_);
+  resume_checkpoint_.clear();
   auto entry = [&](const std::string& k) -> const at::Tensor& {
     return checkpoint_entry(ckpt, k, path);
   };

@@ -300,11 +300,6 @@ void load_model_library(const std::string& path, const std::string& name, const 
   }
   const std::string canonical = fs::canonical(path, ec).string();
   Registry& r = registry();
-  std::set<std::string> before;
-  {
-    const std::lock_guard<std::mutex> lock(r.mutex);
-    for (const auto& [n, abi] : r.foreign) before.insert(n);
-  }
   bool already = false;
   {
     const std::lock_guard<std::mutex> lock(r.mutex);
