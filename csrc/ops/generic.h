@@ -107,4 +107,41 @@ std::tuple<at::Tensor, at::Tensor> max_pool2d(const at::Tensor& input, at::IntAr
 at::Tensor max_pool2d_backward(const at::Tensor& grad_out, const at::Tensor& input,
                                const at::Tensor& argmax, at::IntArrayRef kernel_size);
 
+// The fused transformer-block ops (generic_transformer.cpp).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm(
+    const at::Tensor& input, at::IntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps,
+    const std::optional<at::Tensor>& residual, std::optional<at::ScalarType> out_dtype);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_backward(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_residual_out,
+    const at::Tensor& normed, at::IntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+    const at::Tensor& mean, const at::Tensor& rstd, std::array<bool, 3> output_mask);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm(
+    const at::Tensor& input, at::IntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, std::optional<double> eps,
+    const std::optional<at::Tensor>& residual, std::optional<at::ScalarType> out_dtype);
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_residual_out,
+    const at::Tensor& normed, at::IntArrayRef normalized_shape,
+    const std::optional<at::Tensor>& weight, const at::Tensor& rstd,
+    std::array<bool, 2> output_mask);
+
+at::Tensor bias_gelu(const at::Tensor& input, const std::optional<at::Tensor>& bias,
+                     c10::string_view approximate);
+
+std::tuple<at::Tensor, at::Tensor> bias_gelu_backward(const at::Tensor& grad_out,
+                                                      const at::Tensor& input,
+                                                      const std::optional<at::Tensor>& bias,
+                                                      c10::string_view approximate,
+                                                      std::array<bool, 2> output_mask);
+
+at::Tensor swiglu(const at::Tensor& a, const std::optional<at::Tensor>& b);
+
+std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_out, const at::Tensor& a,
+                                                   const std::optional<at::Tensor>& b);
+
 }  // namespace fusetrain::ops::generic

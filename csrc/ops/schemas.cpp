@@ -132,4 +132,34 @@ TORCH_LIBRARY(fusetrain, m) {
   m.def(
       "fp8_quantize_delayed_transpose(Tensor self, ScalarType dtype, Tensor(a!) scale, "
       "Tensor(b!) amax_history, int margin=0, int row_multiple=1) -> (Tensor, Tensor)");
+
+  // Layer / RMS normalisation over the last dimensions, optionally of
+  // input + residual, with the output in a second dtype (Note [Fused norms],
+  // ops/norm.h). residual_out is input + residual (empty without one); the
+  // float32 statistics are what the backwards take.
+  m.def(
+      "layer_norm(Tensor input, int[] normalized_shape, Tensor? weight=None, "
+      "Tensor? bias=None, float eps=1e-05, Tensor? residual=None, ScalarType? out_dtype=None) "
+      "-> (Tensor out, Tensor residual_out, Tensor mean, Tensor rstd)");
+  m.def(
+      "layer_norm_backward(Tensor grad_out, Tensor? grad_residual_out, Tensor normed, "
+      "int[] normalized_shape, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd, "
+      "bool[3] output_mask) -> (Tensor grad_input, Tensor grad_weight, Tensor grad_bias)");
+  m.def(
+      "rms_norm(Tensor input, int[] normalized_shape, Tensor? weight=None, float? eps=None, "
+      "Tensor? residual=None, ScalarType? out_dtype=None) "
+      "-> (Tensor out, Tensor residual_out, Tensor rstd)");
+  m.def(
+      "rms_norm_backward(Tensor grad_out, Tensor? grad_residual_out, Tensor normed, "
+      "int[] normalized_shape, Tensor? weight, Tensor rstd, bool[2] output_mask) "
+      "-> (Tensor grad_input, Tensor grad_weight)");
+
+  // gelu(input + bias) and silu(a) * b (Note [Fused activations],
+  // ops/activation.h), fp32 math, and their gradients.
+  m.def("bias_gelu(Tensor input, Tensor? bias=None, str approximate='none') -> Tensor");
+  m.def(
+      "bias_gelu_backward(Tensor grad_out, Tensor input, Tensor? bias, str approximate, "
+      "bool[2] output_mask) -> (Tensor grad_input, Tensor grad_bias)");
+  m.def("swiglu(Tensor a, Tensor? b=None) -> Tensor");
+  m.def("swiglu_backward(Tensor grad_out, Tensor a, Tensor? b) -> (Tensor grad_a, Tensor grad_b)");
 }

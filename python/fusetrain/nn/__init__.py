@@ -1,7 +1,9 @@
 """Fused neural-network pieces: ``CrossEntropyLoss``,
-``LinearCrossEntropyLoss``, ``BatchNormReLU2d``, ``MaxPool2d`` and, in
-``fusetrain.nn.functional``, ``softmax_cross_entropy``,
-``linear_cross_entropy``, ``batch_norm_relu`` and ``max_pool2d``."""
+``LinearCrossEntropyLoss``, ``BatchNormReLU2d``, ``MaxPool2d``, ``LayerNorm``,
+``RMSNorm`` and, in ``fusetrain.nn.functional``, ``softmax_cross_entropy``,
+``linear_cross_entropy``, ``batch_norm_relu``, ``max_pool2d``,
+``layer_norm``, ``rms_norm``, ``add_layer_norm``, ``add_rms_norm``, ``gelu``
+and ``swiglu``."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Optional
 import torch
 
 from . import functional
+from ._block_ops import LayerNorm, RMSNorm
 from .functional import (
     LinearCrossEntropyOptions,
     batch_norm_relu,
@@ -23,8 +26,10 @@ __all__ = [
     "BatchNormReLU2d",
     "CrossEntropyLoss",
     "LinearCrossEntropyLoss",
+    "LayerNorm",
     "LinearCrossEntropyOptions",
     "MaxPool2d",
+    "RMSNorm",
     "batch_norm_relu",
     "functional",
     "linear_cross_entropy",

@@ -26,6 +26,7 @@ from torch.nn import _reduction
 
 from .. import _C  # noqa: F401  (registers the fusetrain ops)
 from .. import _dtensor
+from ._block_ops import add_layer_norm, add_rms_norm, gelu, layer_norm, rms_norm, swiglu
 
 __all__ = [
     "softmax_cross_entropy",
@@ -34,6 +35,12 @@ __all__ = [
     "LinearCrossEntropyOptions",
     "batch_norm_relu",
     "max_pool2d",
+    "layer_norm",
+    "rms_norm",
+    "add_layer_norm",
+    "add_rms_norm",
+    "gelu",
+    "swiglu",
 ]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
