@@ -12,13 +12,16 @@
 #include <fusetrain/dist/zero.h>
 #include <fusetrain/graph/fused_steps.h>
 #include <fusetrain/nn/batch_norm.h>
+#include <fusetrain/nn/block_ops.h>
 #include <fusetrain/nn/cross_entropy.h>
 #include <fusetrain/nn/linear_cross_entropy.h>
+#include <fusetrain/ops/activation.h>
 #include <fusetrain/ops/amp.h>
 #include <fusetrain/ops/batch_norm.h>
 #include <fusetrain/ops/cpu/cpu_features.h>
 #include <fusetrain/ops/fp8.h>
 #include <fusetrain/ops/linear_cross_entropy.h>
+#include <fusetrain/ops/norm.h>
 #include <fusetrain/ops/optim.h>
 #include <fusetrain/optim/fused.h>
 #include <fusetrain/optim/zero.h>

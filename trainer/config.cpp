@@ -223,6 +223,10 @@ const std::vector<KeySpec>& config_schema() {
           "cnn, resnet: batch norm + ReLU as one fused op forward and backward on the CPU "
           "(fusetrain::nn::batch_norm_relu; same parameters and checkpoints); torch's ops when "
           "false"),
+      key("model.fused_block_ops", K::kBool, "true",
+          "gpt, gpt2, llama: layer/RMS norms with the residual add, bias + GELU and SwiGLU as "
+          "fusetrain's fused ops (fusetrain::nn::add_layer_norm and friends; same parameters, "
+          "checkpoints and loss curve); torch's ops when false"),
       key("model.fused_head_loss", K::kBool, "true",
           "gpt: the head and the training loss as one chunked op "
           "(fusetrain::nn::linear_cross_entropy: the [tokens, vocabulary] logits are never held; "

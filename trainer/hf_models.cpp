@@ -3,6 +3,8 @@
 // the tests compare logits with transformers' on the same weights.
 #include "hf_models.h"
 
+#include "block_ops.h"
+
 #include "checkpoint.h"
 #include "data_files.h"
 
@@ -179,6 +181,7 @@ class RMSNormImpl : public nn::Module {
     return weight * normed.to(x.scalar_type());
   }
   at::Tensor weight;
+  double eps() const { return eps_; }
 
  private:
   double eps_;
@@ -197,6 +200,16 @@ class HfModelImpl : public ModelImpl {
       : hf_(std::move(hf)), float32_head_(float32_head), fused_head_loss_(fused_head_loss) {}
 
   const json& hf() const { return hf_; }
+
+  /// model.fused_block_ops: the blocks through fusetrain's fused ops.
+  void set_fused_block_ops(bool fused) { fused_block_ops_ = fused; }
+
+  // A traced model (export --torchscript) must load without libfusetrain:
+  // torch's ops only.
+  at::Tensor forward_for_trace(const at::Tensor& idx) override {
+    const UnfusedScope unfused(fused_block_ops_);
+    return forward(idx);
+  }
 
   at::Tensor forward(const at::Tensor& idx) override {
     const at::Tensor h = features(idx);
@@ -224,6 +237,7 @@ class HfModelImpl : public ModelImpl {
   json hf_;
   bool float32_head_;
   bool fused_head_loss_;
+  bool fused_block_ops_ = true;
   bool tied_ = true;
 };
 
@@ -244,20 +258,41 @@ class Gpt2BlockImpl : public nn::Module {
   }
 
   at::Tensor forward(const at::Tensor& x) {
-    const int64_t d = x.size(-1);
-    // [B, T, 3, H, hd] -> 3 x [B, H, T, hd]
-    const at::Tensor qkv = c_attn(ln_1(x)).unflatten(-1, {3, heads_, d / heads_}).permute({2, 0, 3, 1, 4});
-    const at::Tensor y = at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], {},
-                                                          is_training() ? attn_p_ : 0.0, /*is_causal=*/true);
-    const at::Tensor h = x + drop(attn_proj(y.transpose(1, 2).flatten(2)), resid_p_, is_training());
+    const at::Tensor h = x + drop(attention(ln_1(x)), resid_p_, is_training());
     const at::Tensor m = mlp_proj(at::gelu(c_fc(ln_2(h)), "tanh"));
     return h + drop(m, resid_p_, is_training());
+  }
+
+  // Through the fused ops, as GptBlockImpl::forward_fused (models.cpp):
+  // `branch` is the previous block's output, added to the residual by ln_1.
+  std::pair<at::Tensor, at::Tensor> forward_fused(const at::Tensor& residual,
+                                                  const at::Tensor& branch) {
+    const auto gemm_dtype = gemm_input_dtype(residual);
+    const Normed a = add_layer_norm(branch, residual, *ln_1, gemm_dtype);
+    const Normed m = add_layer_norm(drop(attention(a.out), resid_p_, is_training()), a.residual,
+                                    *ln_2, gemm_dtype);
+    // c_fc without its bias, which the GELU adds.
+    const at::Tensor x2 = m.out.reshape({-1, m.out.size(-1)});
+    std::vector<int64_t> shape(m.out.sizes().begin(), m.out.sizes().end());
+    shape.back() = c_fc->weight.size(1);
+    const at::Tensor hidden =
+        fusetrain::nn::gelu(at::mm(x2, c_fc->weight).view(shape), "tanh", c_fc->bias);
+    return {m.residual, drop(mlp_proj(hidden), resid_p_, is_training())};
   }
 
   nn::LayerNorm ln_1{nullptr}, ln_2{nullptr};
   Conv1D c_attn{nullptr}, attn_proj{nullptr}, c_fc{nullptr}, mlp_proj{nullptr};
 
  private:
+  // [B, T, 3, H, hd] -> 3 x [B, H, T, hd], attention, back to [B, T, d] and c_proj.
+  at::Tensor attention(const at::Tensor& normed) {
+    const int64_t d = normed.size(-1);
+    const at::Tensor qkv =
+        c_attn(normed).unflatten(-1, {3, heads_, d / heads_}).permute({2, 0, 3, 1, 4});
+    const at::Tensor y = at::scaled_dot_product_attention(
+        qkv[0], qkv[1], qkv[2], {}, is_training() ? attn_p_ : 0.0, /*is_causal=*/true);
+    return attn_proj(y.transpose(1, 2).flatten(2));
+  }
   int64_t heads_;
   double attn_p_, resid_p_;
 };
@@ -329,6 +364,13 @@ class Gpt2Impl : public HfModelImpl {
                 positions_);
     at::Tensor x = wte_(idx) + wpe_->weight.narrow(0, 0, t);
     x = drop(x, embd_p_, is_training());
+    if (fused_block_ops_) {
+      at::Tensor branch;
+      for (const auto& block : *h_) {
+        std::tie(x, branch) = block->as<Gpt2BlockImpl>()->forward_fused(x, branch);
+      }
+      return add_layer_norm(branch, x, *ln_f_, std::nullopt).out;
+    }
     for (const auto& block : *h_) x = block->as<Gpt2BlockImpl>()->forward(x);
     return ln_f_(x);
   }
@@ -377,8 +419,33 @@ class LlamaLayerImpl : public nn::Module {
 
   // cos, sin: [T, head_dim] in the attention's dtype.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-    const int64_t b = x.size(0), t = x.size(1);
-    const at::Tensor h_in = input_layernorm(x);
+    const at::Tensor h = x + attention(input_layernorm(x), cos, sin);
+    const at::Tensor m = post_attention_layernorm(h);
+    return h + down_proj(at::silu(gate_proj(m)) * up_proj(m));
+  }
+
+  // Through the fused ops (as GptBlockImpl::forward_fused in models.cpp):
+  // `branch`, the previous layer's output, is added by input_layernorm.
+  std::pair<at::Tensor, at::Tensor> forward_fused(const at::Tensor& residual,
+                                                  const at::Tensor& branch, const at::Tensor& cos,
+                                                  const at::Tensor& sin) {
+    const auto gemm_dtype = gemm_input_dtype(residual);
+    const Normed a = add_rms_norm(branch, residual, input_layernorm->weight,
+                                  input_layernorm->eps(), gemm_dtype);
+    const Normed m = add_rms_norm(attention(a.out, cos, sin), a.residual,
+                                  post_attention_layernorm->weight,
+                                  post_attention_layernorm->eps(), gemm_dtype);
+    return {m.residual, down_proj(fusetrain::nn::swiglu(gate_proj(m.out), up_proj(m.out)))};
+  }
+
+  RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+
+ private:
+  // Rotary q and k, attention and o_proj of the normed input [B, T, d].
+  at::Tensor attention(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin) {
+    const int64_t b = h_in.size(0), t = h_in.size(1);
     at::Tensor q = q_proj(h_in).view({b, t, s_.heads, s_.head_dim}).transpose(1, 2);
     at::Tensor k = k_proj(h_in).view({b, t, s_.kv_heads, s_.head_dim}).transpose(1, 2);
     const at::Tensor v = v_proj(h_in).view({b, t, s_.kv_heads, s_.head_dim}).transpose(1, 2);
@@ -388,16 +455,9 @@ class LlamaLayerImpl : public nn::Module {
     const at::Tensor y = at::scaled_dot_product_attention(
         q, k, v, {}, is_training() ? s_.attn_p : 0.0, /*is_causal=*/true, /*scale=*/std::nullopt,
         /*enable_gqa=*/s_.kv_heads != s_.heads);
-    const at::Tensor h = x + o_proj(y.transpose(1, 2).reshape({b, t, s_.heads * s_.head_dim}));
-    const at::Tensor m = post_attention_layernorm(h);
-    return h + down_proj(at::silu(gate_proj(m)) * up_proj(m));
+    return o_proj(y.transpose(1, 2).reshape({b, t, s_.heads * s_.head_dim}));
   }
 
-  RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
-  nn::Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
-  nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
-
- private:
   LlamaSizes s_;
 };
 TORCH_MODULE(LlamaLayer);
@@ -480,6 +540,13 @@ class LlamaImpl : public HfModelImpl {
       sin = emb.sin();
     }
     at::Tensor x = embed_tokens_(idx);
+    if (fused_block_ops_) {
+      at::Tensor branch;
+      for (const auto& layer : *layers_) {
+        std::tie(x, branch) = layer->as<LlamaLayerImpl>()->forward_fused(x, branch, cos, sin);
+      }
+      return add_rms_norm(branch, x, norm_->weight, norm_->eps(), std::nullopt).out;
+    }
     for (const auto& layer : *layers_) x = layer->as<LlamaLayerImpl>()->forward(x, cos, sin);
     return norm_(x);
   }
@@ -597,6 +664,8 @@ Model make_hf_model(const Config& config, const json& hf, const DatasetInfo& dat
   } else {
     model = std::make_shared<LlamaImpl>(hf, float32_head, fused);
   }
+  std::static_pointer_cast<HfModelImpl>(model)->set_fused_block_ops(
+      config.get_bool("model.fused_block_ops"));
   const int64_t t = data.input_shape.empty() ? 0 : data.input_shape[0];
   const std::string positions = family == "gpt2" ? "n_positions" : "max_position_embeddings";
   const int64_t max_t = get<int64_t>(hf, positions, 1 << 30, "config.json");

@@ -3,6 +3,7 @@
 // modules and plugins' models.
 #include "models.h"
 
+#include "block_ops.h"
 #include "evaluate.h"
 
 #include "hf_models.h"
@@ -297,13 +298,31 @@ class GptBlockImpl : public nn::Module {
   // No batch or sequence sizes taken from x (only the width, a constant of
   // the model): a trace of it runs on any batch and length.
   at::Tensor forward(const at::Tensor& x) {
-    const int64_t d = x.size(2);
-    const at::Tensor qkv_out = qkv.forward(ln1(x)).unflatten(-1, {3, heads_, d / heads_}).permute({2, 0, 3, 1, 4});
-    const at::Tensor y = at::scaled_dot_product_attention(
-        qkv_out[0], qkv_out[1], qkv_out[2], /*attn_mask=*/{}, is_training() ? dropout_ : 0.0,
-        /*is_causal=*/true);
-    at::Tensor h = x + dropout(proj.forward(y.transpose(1, 2).flatten(2)));
+    at::Tensor h = x + dropout(proj.forward(attention(ln1(x))));
     return h + dropout(fc_proj.forward(at::gelu(fc.forward(ln2(h)))));
+  }
+
+  // The same block through the fused ops (model.fused_block_ops): `branch`,
+  // the previous block's output not yet added to the residual stream (or
+  // undefined), is added by ln1 in its pass; returns the residual stream
+  // and this block's own pending branch. fc's bias is added by the GELU.
+  std::pair<at::Tensor, at::Tensor> forward_fused(const at::Tensor& residual,
+                                                  const at::Tensor& branch) {
+    // Under autocast the norms write the GEMMs' dtype (not for float8
+    // layers, which quantise from the float32 input).
+    const bool plain = fc.ptr()->as<nn::LinearImpl>() != nullptr;
+    const auto gemm_dtype = plain ? gemm_input_dtype(residual) : std::nullopt;
+    const Normed a = add_layer_norm(branch, residual, *ln1, gemm_dtype);
+    const Normed m = add_layer_norm(dropout(proj.forward(attention(a.out))), a.residual, *ln2,
+                                    gemm_dtype);
+    at::Tensor hidden;
+    if (plain) {
+      auto& linear = *fc.ptr()->as<nn::LinearImpl>();
+      hidden = fusetrain::nn::gelu(at::linear(m.out, linear.weight), "none", linear.bias);
+    } else {
+      hidden = at::gelu(fc.forward(m.out));
+    }
+    return {m.residual, dropout(fc_proj.forward(hidden))};
   }
 
   nn::LayerNorm ln1;
@@ -314,6 +333,15 @@ class GptBlockImpl : public nn::Module {
  private:
   at::Tensor dropout(const at::Tensor& x) {
     return dropout_ > 0 ? at::dropout(x, dropout_, is_training()) : x;
+  }
+  at::Tensor attention(const at::Tensor& normed) {
+    const int64_t d = normed.size(2);
+    const at::Tensor qkv_out =
+        qkv.forward(normed).unflatten(-1, {3, heads_, d / heads_}).permute({2, 0, 3, 1, 4});
+    const at::Tensor y = at::scaled_dot_product_attention(
+        qkv_out[0], qkv_out[1], qkv_out[2], /*attn_mask=*/{}, is_training() ? dropout_ : 0.0,
+        /*is_causal=*/true);
+    return y.transpose(1, 2).flatten(2);
   }
   int64_t heads_;
   double dropout_;
@@ -338,6 +366,7 @@ class GptImpl : public ModelImpl {
     ln_f_ = register_module("ln_f", nn::LayerNorm(nn::LayerNormOptions({dm})));
     make_head(dm, d.num_classes, c.get_bool("precision.float32_head"));
     fused_head_loss_ = c.get_bool("model.fused_head_loss");
+    fused_block_ops_ = c.get_bool("model.fused_block_ops");
     // GPT-2's initialisation: N(0, 0.02) weights, zero biases, and residual
     // projections scaled down by the depth so the residual stream's variance
     // does not grow with it.
@@ -370,6 +399,7 @@ class GptImpl : public ModelImpl {
   // input's length (a size a trace would freeze): the same values; not used
   // for training, whose gradient would sum over the batch in another order.
   at::Tensor forward_for_trace(const at::Tensor& idx) override {
+    const UnfusedScope unfused(fused_block_ops_);
     const at::Tensor positions = at::ones_like(idx).cumsum(1) - 1;
     return apply_head(features(tok_emb_(idx) + at::embedding(pos_emb_, positions)));
   }
@@ -385,11 +415,19 @@ class GptImpl : public ModelImpl {
 
   // The head's input: the blocks and the final layer norm.
   at::Tensor features(at::Tensor x) {
+    if (fused_block_ops_) {
+      at::Tensor branch;
+      for (const auto& block : *blocks_) {
+        std::tie(x, branch) = block->as<GptBlockImpl>()->forward_fused(x, branch);
+      }
+      return add_layer_norm(branch, x, *ln_f_, std::nullopt).out;
+    }
     for (const auto& block : *blocks_) x = block->as<GptBlockImpl>()->forward(x);
     return ln_f_(x);
   }
 
   bool fused_head_loss_ = true;
+  bool fused_block_ops_ = true;
   int64_t seq_len_ = 0;
   nn::Embedding tok_emb_{nullptr};
   at::Tensor pos_emb_;

@@ -36,7 +36,19 @@ constexpr float kGeluTanhCubic2 = 0.07135481627260025f;
 constexpr float kInvSqrt2Pi = 0.3989422804014327f;
 
 namespace scalar {
-float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+// As simd_math.inc's Logistic, with the C library's exp.
+float sigmoid(float x) {
+  const float e = std::exp(-std::fabs(x));
+  return (x < 0.f ? e : 1.f) / (1.f + e);
+}
+float sigmoid_slope(float x) {
+  const float e = std::exp(-std::fabs(x)), d = 1.f + e;
+  return e / (d * d);
+}
+float silu(float x) {
+  const float e = std::exp(-std::fabs(x));
+  return (x < 0.f ? x * e : x) / (1.f + e);
+}
 float normal_cdf(float x) { return 0.5f * std::erfc(-x * 0.70710678118654752f); }
 
 template <bool kTanh>
@@ -48,8 +60,8 @@ float gelu(float v) {
 template <bool kTanh>
 float gelu_grad(float v) {
   if constexpr (kTanh) {
-    const float s = sigmoid(v * (kGeluTanh2 + kGeluTanhCubic2 * v * v));
-    return s + v * s * (1.f - s) * (kGeluTanh2 + 3.f * kGeluTanhCubic2 * v * v);
+    const float u2 = v * (kGeluTanh2 + kGeluTanhCubic2 * v * v);
+    return sigmoid(u2) + v * sigmoid_slope(u2) * (kGeluTanh2 + 3.f * kGeluTanhCubic2 * v * v);
   }
   return normal_cdf(v) + v * std::exp(-0.5f * v * v) * kInvSqrt2Pi;
 }
@@ -76,8 +88,7 @@ void gelu_backward_span(const T* g, const T* x, const float* b, T* dx, float* db
 template <typename T>
 void swiglu_span(const T* a, const T* u, T* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    const float av = static_cast<float>(a[i]);
-    y[i] = static_cast<T>(av * sigmoid(av) * static_cast<float>(u[i]));
+    y[i] = static_cast<T>(silu(static_cast<float>(a[i])) * static_cast<float>(u[i]));
   }
 }
 
@@ -85,9 +96,8 @@ template <typename T>
 void swiglu_backward_span(const T* g, const T* a, const T* u, T* da, T* du, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float gv = static_cast<float>(g[i]), av = static_cast<float>(a[i]);
-    const float s = sigmoid(av);
-    da[i] = static_cast<T>(gv * static_cast<float>(u[i]) * s * (1.f + av * (1.f - s)));
-    du[i] = static_cast<T>(gv * av * s);
+    da[i] = static_cast<T>(gv * static_cast<float>(u[i]) * (sigmoid(av) + av * sigmoid_slope(av)));
+    du[i] = static_cast<T>(gv * silu(av));
   }
 }
 }  // namespace scalar
