@@ -413,3 +413,20 @@ def test_cli_models_same_loss_curve_fused_or_not(tmp_path, model, policy):
     assert len(fused) == 20 and fused[-1] < fused[0] - 0.05, fused  # it trains
     tol = 1e-4 if policy == "float32" else 2e-2
     assert ((fused - unfused).abs() <= tol * unfused.abs()).all(), (fused, unfused)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_eps_where_it_matters(dtype):
+    """Rows whose variance is below eps (and a constant row): eps, and
+    rms_norm's default eps (the dtype's machine epsilon, torch's), set the
+    scale there."""
+    x = rnd((5, 64), dtype, 9, 1e-3, 0.5)
+    x[2] = 0.25
+    w = rnd((64,), dtype, 10)
+    for eps in (1e-5, 1e-2):
+        check(FF.layer_norm(x, 64, w, None, eps), F.layer_norm(x, [64], w, None, eps),
+              F.layer_norm(x.double(), [64], w.double(), None, eps), f"layer eps {eps}")
+    for eps in (None, 1e-2):
+        ref_eps = torch.finfo(dtype).eps if eps is None else eps
+        check(FF.rms_norm(x * 1e-2, 64, w, eps), F.rms_norm(x * 1e-2, [64], w, eps),
+              F.rms_norm((x * 1e-2).double(), [64], w.double(), ref_eps), f"rms eps {eps}")
