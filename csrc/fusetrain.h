@@ -23,6 +23,7 @@
 #include <fusetrain/ops/linear_cross_entropy.h>
 #include <fusetrain/ops/norm.h>
 #include <fusetrain/ops/optim.h>
+#include <fusetrain/ops/rotary.h>
 #include <fusetrain/optim/fused.h>
 #include <fusetrain/optim/zero.h>
 #include <fusetrain/trainer/model.h>

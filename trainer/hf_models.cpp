@@ -419,7 +419,7 @@ class LlamaLayerImpl : public nn::Module {
 
   // cos, sin: [T, head_dim] in the attention's dtype.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-    const at::Tensor h = x + attention(input_layernorm(x), cos, sin);
+    const at::Tensor h = x + attention(input_layernorm(x), cos, sin, /*fused=*/false);
     const at::Tensor m = post_attention_layernorm(h);
     return h + down_proj(at::silu(gate_proj(m)) * up_proj(m));
   }
@@ -432,7 +432,7 @@ class LlamaLayerImpl : public nn::Module {
     const auto gemm_dtype = gemm_input_dtype(residual);
     const Normed a = add_rms_norm(branch, residual, input_layernorm->weight,
                                   input_layernorm->eps(), gemm_dtype);
-    const Normed m = add_rms_norm(attention(a.out, cos, sin), a.residual,
+    const Normed m = add_rms_norm(attention(a.out, cos, sin, /*fused=*/true), a.residual,
                                   post_attention_layernorm->weight,
                                   post_attention_layernorm->eps(), gemm_dtype);
     return {m.residual, down_proj(fusetrain::nn::swiglu(gate_proj(m.out), up_proj(m.out)))};
@@ -443,15 +443,21 @@ class LlamaLayerImpl : public nn::Module {
   nn::Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 
  private:
-  // Rotary q and k, attention and o_proj of the normed input [B, T, d].
-  at::Tensor attention(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin) {
+  // Rotary q and k, attention and o_proj of the normed input [B, T, d];
+  // `fused`: the rotation in one pass of fusetrain's op.
+  at::Tensor attention(const at::Tensor& h_in, const at::Tensor& cos, const at::Tensor& sin,
+                       bool fused) {
     const int64_t b = h_in.size(0), t = h_in.size(1);
     at::Tensor q = q_proj(h_in).view({b, t, s_.heads, s_.head_dim}).transpose(1, 2);
     at::Tensor k = k_proj(h_in).view({b, t, s_.kv_heads, s_.head_dim}).transpose(1, 2);
     const at::Tensor v = v_proj(h_in).view({b, t, s_.kv_heads, s_.head_dim}).transpose(1, 2);
-    const at::Tensor c = cos.to(q.scalar_type()), sn = sin.to(q.scalar_type());
-    q = q * c + rotate_half(q) * sn;
-    k = k * c + rotate_half(k) * sn;
+    if (fused) {
+      std::tie(q, k) = fusetrain::nn::apply_rotary(q, k, cos, sin);
+    } else {
+      const at::Tensor c = cos.to(q.scalar_type()), sn = sin.to(q.scalar_type());
+      q = q * c + rotate_half(q) * sn;
+      k = k * c + rotate_half(k) * sn;
+    }
     const at::Tensor y = at::scaled_dot_product_attention(
         q, k, v, {}, is_training() ? s_.attn_p : 0.0, /*is_causal=*/true, /*scale=*/std::nullopt,
         /*enable_gqa=*/s_.kv_heads != s_.heads);

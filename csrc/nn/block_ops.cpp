@@ -3,6 +3,7 @@
 #include <fusetrain/nn/block_ops.h>
 #include <fusetrain/ops/activation.h>
 #include <fusetrain/ops/norm.h>
+#include <fusetrain/ops/rotary.h>
 
 namespace fusetrain::nn {
 
@@ -56,5 +57,17 @@ at::Tensor gelu(const at::Tensor& input, const std::string& approximate, const a
 }
 
 at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b) { return ops::swiglu(a, maybe(b)); }
+
+std::pair<at::Tensor, at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& cos, const at::Tensor& sin,
+                                               bool interleaved) {
+  at::Tensor c = cos, s = sin;
+  if (!interleaved && cos.size(-1) == q.size(-1) && q.size(-1) % 2 == 0) {
+    c = cos.narrow(-1, 0, q.size(-1) / 2);  // Hugging Face's cat([freqs, freqs])
+    s = sin.narrow(-1, 0, q.size(-1) / 2);
+  }
+  auto [q_out, k_out] = ops::rotary(q, maybe(k), c, s, interleaved, /*inverse=*/false);
+  return {q_out, k.defined() ? k_out : at::Tensor()};
+}
 
 }  // namespace fusetrain::nn

@@ -54,4 +54,13 @@ at::Tensor gelu(const at::Tensor& input, const std::string& approximate = "none"
 /// silu(a) * b; with b undefined, silu(a[..., :h]) * a[..., h:].
 at::Tensor swiglu(const at::Tensor& a, const at::Tensor& b = {});
 
+/// Rotary position embedding of q and k ([..., head_dim]; k may be
+/// undefined) by cos / sin ([..., rotary_dim / 2], broadcastable to the rows;
+/// Hugging Face's [..., head_dim] tables are taken as they are): pairs
+/// (x[j], x[j + rotary_dim/2]), or (x[2j], x[2j+1]) with `interleaved`.
+/// Returns the rotated copies, differentiable (Note [Fused rotary]).
+std::pair<at::Tensor, at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k,
+                                               const at::Tensor& cos, const at::Tensor& sin,
+                                               bool interleaved = false);
+
 }  // namespace fusetrain::nn

@@ -144,4 +144,11 @@ at::Tensor swiglu(const at::Tensor& a, const std::optional<at::Tensor>& b);
 std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_out, const at::Tensor& a,
                                                    const std::optional<at::Tensor>& b);
 
+std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                                          const at::Tensor& cos, const at::Tensor& sin,
+                                          bool interleaved, bool inverse);
+
+void rotary_(at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& cos,
+             const at::Tensor& sin, bool interleaved, bool inverse);
+
 }  // namespace fusetrain::ops::generic

@@ -7,6 +7,7 @@
 #include <fusetrain/ops/checks.h>
 #include <fusetrain/ops/generic.h>
 #include <fusetrain/ops/norm.h>
+#include <fusetrain/ops/rotary.h>
 
 #include <torch/library.h>
 
@@ -182,6 +183,52 @@ std::tuple<at::Tensor, at::Tensor> swiglu_backward(const at::Tensor& grad_out, c
   return {at::cat({grad_gate, grad_up}, -1).to(a.scalar_type()), at::empty({0}, a.options())};
 }
 
+namespace {
+
+// x rotated by the angles of cos / sin (Note [Fused rotary]), in float32.
+at::Tensor rotated(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t half,
+                   bool interleaved, bool inverse) {
+  const at::Tensor x32 = x.to(at::kFloat);
+  const at::Tensor c = cos.to(at::kFloat);
+  const at::Tensor s = inverse ? sin.to(at::kFloat).neg() : sin.to(at::kFloat);
+  const at::Tensor rot = x32.narrow(-1, 0, 2 * half);
+  at::Tensor x1, x2;
+  if (interleaved) {
+    const at::Tensor pairs = rot.unflatten(-1, {half, 2});
+    x1 = pairs.select(-1, 0);
+    x2 = pairs.select(-1, 1);
+  } else {
+    x1 = rot.narrow(-1, 0, half);
+    x2 = rot.narrow(-1, half, half);
+  }
+  const at::Tensor y1 = x1.mul(c).sub(x2.mul(s));
+  const at::Tensor y2 = x2.mul(c).add(x1.mul(s));
+  const at::Tensor y = interleaved ? at::stack({y1, y2}, -1).flatten(-2) : at::cat({y1, y2}, -1);
+  const int64_t rest = x.size(-1) - 2 * half;
+  return (rest > 0 ? at::cat({y, x32.narrow(-1, 2 * half, rest)}, -1) : y).to(x.scalar_type());
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                                          const at::Tensor& cos, const at::Tensor& sin,
+                                          bool interleaved, bool inverse) {
+  const int64_t half = check_rotary_args("fusetrain::rotary", q, k, cos, sin);
+  return {rotated(q, cos, sin, half, interleaved, inverse).contiguous(),
+          given(k) ? rotated(*k, cos, sin, half, interleaved, inverse).contiguous()
+                   : at::empty({0}, q.options())};
+}
+
+void rotary_(at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& cos,
+             const at::Tensor& sin, bool interleaved, bool inverse) {
+  const int64_t half = check_rotary_args("fusetrain::rotary_", q, k, cos, sin);
+  q.copy_(rotated(q, cos, sin, half, interleaved, inverse));
+  if (given(k)) {
+    at::Tensor kt = *k;
+    kt.copy_(rotated(kt, cos, sin, half, interleaved, inverse));
+  }
+}
+
 }  // namespace fusetrain::ops::generic
 
 TORCH_LIBRARY_IMPL(fusetrain, CompositeExplicitAutograd, m) {
@@ -194,4 +241,6 @@ TORCH_LIBRARY_IMPL(fusetrain, CompositeExplicitAutograd, m) {
   m.impl("bias_gelu_backward", &g::bias_gelu_backward);
   m.impl("swiglu", &g::swiglu);
   m.impl("swiglu_backward", &g::swiglu_backward);
+  m.impl("rotary", &g::rotary);
+  m.impl("rotary_", &g::rotary_);
 }

@@ -162,4 +162,13 @@ TORCH_LIBRARY(fusetrain, m) {
       "bool[2] output_mask) -> (Tensor grad_input, Tensor grad_bias)");
   m.def("swiglu(Tensor a, Tensor? b=None) -> Tensor");
   m.def("swiglu_backward(Tensor grad_out, Tensor a, Tensor? b) -> (Tensor grad_a, Tensor grad_b)");
+
+  // Rotary position embedding of q and k (Note [Fused rotary], ops/rotary.h):
+  // rotated copies, or in place; `inverse` rotates back (the gradient).
+  m.def(
+      "rotary(Tensor q, Tensor? k, Tensor cos, Tensor sin, bool interleaved=False, "
+      "bool inverse=False) -> (Tensor q_out, Tensor k_out)");
+  m.def(
+      "rotary_(Tensor(a!) q, Tensor(b!)? k, Tensor cos, Tensor sin, bool interleaved=False, "
+      "bool inverse=False) -> ()");
 }

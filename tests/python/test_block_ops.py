@@ -342,6 +342,12 @@ PATHS_SCRIPT = textwrap.dedent(
             act = [FF.swiglu(a)] + [FF.gelu(a, ap, bias=torch.cat([bb, bb])) for ap in ("none", "tanh")]
             sum(t.float().sum() for t in act).backward()
             out[f"act {dtype} {width}"] = act + [a.grad, bb.grad]
+        for interleaved in (False, True):
+            q = torch.randn(2, 3, 11, 40, generator=g).to(dtype).requires_grad_()
+            angles = torch.randn(11, 17, generator=g)
+            qo, _ = FF.apply_rotary(q, None, angles.cos(), angles.sin(), interleaved=interleaved)
+            (qo.float() * torch.arange(40.0)).sum().backward()
+            out[f"rotary {dtype} {interleaved}"] = [qo, q.grad]
     torch.save({k: v if isinstance(v, str) else [t.detach() for t in v] for k, v in out.items()}, sys.argv[1])
     """
 )
@@ -430,3 +436,105 @@ def test_norm_eps_where_it_matters(dtype):
         ref_eps = torch.finfo(dtype).eps if eps is None else eps
         check(FF.rms_norm(x * 1e-2, 64, w, eps), F.rms_norm(x * 1e-2, [64], w, eps),
               F.rms_norm((x * 1e-2).double(), [64], w.double(), ref_eps), f"rms eps {eps}")
+
+
+# ------------------------------------------------------------------ rotary
+
+
+def rope_tables(positions, rot_dim, theta=10000.0):
+    inv = 1.0 / theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
+    angles = torch.outer(torch.arange(positions, dtype=torch.float64), inv)
+    return angles.cos(), angles.sin()  # [S, rot_dim / 2]
+
+
+def rope_reference(x, cos, sin, interleaved):
+    """The unfused forms: Hugging Face's rotate_half over [cos, cos] tables,
+    or Meta's complex product of consecutive pairs."""
+    rot = 2 * cos.size(-1)
+    head, rest = x[..., :rot], x[..., rot:]
+    if interleaved:
+        pairs = torch.view_as_complex(head.double().unflatten(-1, (-1, 2)).contiguous())
+        out = torch.view_as_real(pairs * torch.polar(torch.ones_like(cos.double()), torch.atan2(sin, cos).double()))
+        out = out.flatten(-2).to(x.dtype)
+    else:
+        c, s = torch.cat([cos, cos], -1).to(x.dtype), torch.cat([sin, sin], -1).to(x.dtype)
+        half = rot // 2
+        rotate_half = torch.cat([-head[..., half:], head[..., :half]], -1)
+        out = head * c + rotate_half * s
+    return torch.cat([out, rest], -1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("rot_dim", [64, 32, 24])
+def test_rotary_matches_the_unfused_forms(dtype, interleaved, layout, rot_dim):
+    """q [2, 4 heads, 37, 64] and a GQA k of 2 heads (or [B, S, H, D] with
+    [S, 1, R/2] tables); a rotary fraction (32 or 24 of 64) leaves the rest
+    as it was. Against the float64 reference, within twice torch's unfused
+    error in the same dtype (one rounding against its three)."""
+    S, D = 37, 64
+    cos, sin = rope_tables(S, rot_dim)
+    shape_q, shape_k = ((2, 4, S, D), (2, 2, S, D)) if layout == "bhsd" else ((2, S, 4, D), (2, S, 2, D))
+    tables = (cos, sin) if layout == "bhsd" else (cos[:, None], sin[:, None])
+    q, k = rnd(shape_q, dtype, 11, 2.0), rnd(shape_k, dtype, 12, 2.0)
+    gq, gk = rnd(shape_q, dtype, 13), rnd(shape_k, dtype, 14)
+
+    def run(impl):
+        dt = torch.float64 if impl == "ref" else dtype
+        qi, ki = leaf(q.to(dt)), leaf(k.to(dt))
+        c, s = tables
+        if impl == "ours":
+            qo, ko = FF.apply_rotary(qi, ki, c.float(), s.float(), interleaved=interleaved)
+        else:
+            qo = rope_reference(qi, c.to(dt), s.to(dt), interleaved)
+            ko = rope_reference(ki, c.to(dt), s.to(dt), interleaved)
+        ((qo * gq.to(dt)).sum() + (ko * gk.to(dt)).sum()).backward()
+        return qo.detach(), ko.detach(), qi.grad, ki.grad
+
+    ours, theirs, ref = run("ours"), run("torch"), run("ref")
+    names = ("q", "k", "grad q", "grad k")
+    for name, o, t, r in zip(names, ours, theirs, ref):
+        check(o, t, r, f"rotary {dtype} {layout} interleaved {interleaved} rot {rot_dim}: {name}")
+    # The pass-through part is the input, bit for bit.
+    assert torch.equal(ours[0][..., rot_dim:], q[..., rot_dim:])
+
+
+def test_rotary_hf_tables_inplace_and_errors():
+    S, D = 9, 16
+    cos, sin = rope_tables(S, D)
+    q, k = torch.randn(3, 2, S, D), torch.randn(3, 1, S, D)
+    want_q, want_k = FF.apply_rotary(q, k, cos.float(), sin.float())
+    # Hugging Face's [S, D] tables (angles over both halves) give the same.
+    hf_q, hf_k = FF.apply_rotary(q, k, torch.cat([cos, cos], -1).float(), torch.cat([sin, sin], -1).float())
+    assert torch.equal(hf_q, want_q) and torch.equal(hf_k, want_k)
+    # In place, a non-contiguous view included.
+    qi, kt = q.clone(), k.clone().transpose(1, 2)  # [3, S, 1, D] viewed from [3, 1, S, D]
+    ki = kt.transpose(1, 2)
+    out_q, out_k = FF.apply_rotary(qi, ki, cos.float(), sin.float(), inplace=True)
+    assert out_q is qi and torch.equal(qi, want_q) and torch.equal(ki, want_k)
+    # k may be absent.
+    only_q, none = FF.apply_rotary(q, None, cos.float(), sin.float())
+    assert none is None and torch.equal(only_q, want_q)
+    with pytest.raises(RuntimeError, match="inplace=True is not differentiable"):
+        FF.apply_rotary(q.requires_grad_(), None, cos.float(), sin.float(), inplace=True)
+    with pytest.raises(RuntimeError, match="exceeds q's head_dim"):
+        FF.apply_rotary(torch.randn(2, S, 12), None, cos.float(), sin.float())
+    with pytest.raises(RuntimeError, match="do not broadcast"):
+        FF.apply_rotary(torch.randn(2, S + 1, D), None, cos.float(), sin.float())
+
+
+def test_rotary_compiles_fullgraph():
+    cos, sin = rope_tables(12, 8)
+    q, k = torch.randn(2, 3, 12, 8), torch.randn(2, 3, 12, 8)
+
+    def f(q, k):
+        qo, ko = FF.apply_rotary(q, k, cos.float(), sin.float())
+        return (qo * ko).sum()
+
+    grads = []
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        qi, ki = leaf(q), leaf(k)
+        fn(qi, ki).backward()
+        grads.append((qi.grad, ki.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])

@@ -2,8 +2,8 @@
 ``LinearCrossEntropyLoss``, ``BatchNormReLU2d``, ``MaxPool2d``, ``LayerNorm``,
 ``RMSNorm`` and, in ``fusetrain.nn.functional``, ``softmax_cross_entropy``,
 ``linear_cross_entropy``, ``batch_norm_relu``, ``max_pool2d``,
-``layer_norm``, ``rms_norm``, ``add_layer_norm``, ``add_rms_norm``, ``gelu``
-and ``swiglu``."""
+``layer_norm``, ``rms_norm``, ``add_layer_norm``, ``add_rms_norm``, ``gelu``,
+``swiglu`` and ``apply_rotary``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The fused transformer-block ops as torch's functions: layer and RMS norm
 (with the residual add and a second output dtype under their own names),
-bias + GELU and SwiGLU. Each calls one ``torch.ops.fusetrain`` op whose
+bias + GELU, SwiGLU and rotary embeddings. Each calls one ``torch.ops.fusetrain`` op whose
 backward is registered at the dispatcher's Autograd key, so eager Python,
 ``torch.compile`` (fullgraph) and C++ share one implementation (Note [Fused
 norms], Note [Fused activations] in csrc/ops/).
@@ -137,6 +137,43 @@ def swiglu(a: torch.Tensor, b: Optional[torch.Tensor] = None) -> torch.Tensor:
         gate, up = (a, b) if b is not None else a.chunk(2, dim=-1)
         return F.silu(gate) * up
     return torch.ops.fusetrain.swiglu(a, b)
+
+
+def apply_rotary(
+    q: torch.Tensor,
+    k: Optional[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    interleaved: bool = False,
+    inplace: bool = False,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Rotary position embedding of ``q`` and ``k`` ([..., head_dim], any
+    leading layout and head counts) in one pass: pair ``(x1, x2)`` becomes
+    ``(x1 cos - x2 sin, x2 cos + x1 sin)``. ``cos`` and ``sin`` are
+    ``[..., rotary_dim / 2]`` broadcastable to the rows (``[S, rotary_dim/2]``
+    for ``[B, H, S, D]``); ``rotary_dim < head_dim`` rotates the first
+    ``rotary_dim`` elements only (GPT-NeoX's rotary_pct). Hugging Face's
+    ``[..., head_dim]`` tables (the angles repeated over both halves) are
+    taken as they are. Pairs are ``(x[j], x[j + rotary_dim/2])`` (GPT-NeoX,
+    Hugging Face's ``rotate_half``) or ``(x[2j], x[2j+1])`` with
+    ``interleaved`` (Meta's Llama, GPT-J). ``inplace`` rotates ``q`` and
+    ``k`` themselves (not differentiable: refused for tensors that require
+    grad). Returns ``(q, k)``; ``k`` may be None."""
+    if not interleaved and cos.size(-1) == q.size(-1) and q.size(-1) % 2 == 0:
+        half = q.size(-1) // 2  # Hugging Face's cat([freqs, freqs]) tables
+        cos, sin = cos[..., :half], sin[..., :half]
+    if cos.dtype not in (torch.float32, q.dtype):
+        cos, sin = cos.float(), sin.float()
+    if inplace:
+        if torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad)):
+            raise RuntimeError(
+                "apply_rotary: inplace=True is not differentiable and q or k requires grad; "
+                "use inplace=False (the default), which writes rotated copies in the same one pass")
+        torch.ops.fusetrain.rotary_(q, k, cos, sin, interleaved)
+        return q, k
+    q_out, k_out = torch.ops.fusetrain.rotary(q, k, cos, sin, interleaved)
+    return q_out, (k_out if k is not None else None)
 
 
 class LayerNorm(torch.nn.LayerNorm):

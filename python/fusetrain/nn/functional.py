@@ -26,7 +26,7 @@ from torch.nn import _reduction
 
 from .. import _C  # noqa: F401  (registers the fusetrain ops)
 from .. import _dtensor
-from ._block_ops import add_layer_norm, add_rms_norm, gelu, layer_norm, rms_norm, swiglu
+from ._block_ops import add_layer_norm, add_rms_norm, apply_rotary, gelu, layer_norm, rms_norm, swiglu
 
 __all__ = [
     "softmax_cross_entropy",
@@ -41,6 +41,7 @@ __all__ = [
     "add_rms_norm",
     "gelu",
     "swiglu",
+    "apply_rotary",
 ]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
