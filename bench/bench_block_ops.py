@@ -13,6 +13,8 @@ the rate below counts against a copy timed in the same loop:
   writes dx (3): 5.
 - SwiGLU of [gate | up] (2 activations of width w): forward reads 2, writes
   1; backward reads dy and 2, writes 2: 8 of width w.
+- rotary of q and k: forward reads and writes both, backward their
+  gradients: 8 q-sized transfers (q is [8, 8, 128, 128]).
 The weight/bias gradient partials (fp32, a row of them per 32 rows) add
 1/16 of an fp32 activation and are not counted.
 
@@ -89,7 +91,30 @@ def cases(ctx: Context, width: int, dtype: torch.dtype):
         gate, up = a.chunk(2, -1)
         (F.silu(gate) * up).backward(dy)
 
+    # Rotary: q and k [8, 8 heads, 128 positions, 128] (8192 rows of 128:
+    # the same bytes as a 8192 x 1024 activation each), Hugging Face's
+    # rotate_half form against ours; forward reads and writes q and k,
+    # backward their gradients: 8 q-sized transfers.
+    qk = [rand(8, 8, 128, 128) for _ in range(2)]
+    dq = [rand(8, 8, 128, 128) for _ in range(2)]
+    angles = torch.outer(torch.arange(128.0), 1e-2 * torch.arange(64.0)).to(dev)
+    cos, sin = angles.cos(), angles.sin()
+    cos_full, sin_full = (torch.cat([t, t], -1).to(dtype) for t in (cos, sin))
+
+    def rotate_half(t):
+        return torch.cat([-t[..., 64:], t[..., :64]], -1)
+
+    def rotary_ours():
+        q, k = _leaves(*qk)
+        torch.autograd.backward(list(FF.apply_rotary(q, k, cos, sin)), dq)
+
+    def rotary_eager():
+        q, k = _leaves(*qk)
+        outs = [t * cos_full + rotate_half(t) * sin_full for t in (q, k)]
+        torch.autograd.backward(outs, dq)
+
     return [
+        ("rotary q+k [8,8,128,128]", {"ours": rotary_ours, "torch": rotary_eager}, 8, qk[0]),
         ("add + layer norm", add_norm("layer"), 8, x),
         ("add + RMS norm", add_norm("rms"), 8, x),
         ("bias + GELU (erf)", gelu_fns("none"), 5, x),
@@ -107,8 +132,9 @@ def bench(ctx: Context, label, fns, transfers, x) -> dict:
     moved = transfers * x.numel() * x.element_size()
     rate = gbps(moved, ours_s)
     dtype = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}[x.dtype]
+    shape = "" if x.dim() > 2 else f" {ROWS}x{x.size(1)}"
     return result(
-        f"{label} fwd+bwd, {dtype} {ROWS}x{x.size(1)}",
+        f"{label} fwd+bwd, {dtype}{shape}",
         ours=ours_s * 1e3,
         torch_=torch_s * 1e3,
         unit="ms",
@@ -133,6 +159,8 @@ def run(ctx: Context) -> list:
     for dtype in dtypes:
         for width in widths:
             for label, fns, transfers, x in cases(ctx, width, dtype):
+                if x.dim() > 2 and width != widths[0]:
+                    continue  # the rotary row does not depend on the width
                 rows.append(bench(ctx, label, fns, transfers, x))
     return rows
 
