@@ -15,7 +15,7 @@
 # them: two calls on a warm machine (the build in build-gpu/ stays between
 # calls, so the second one only relinks) split one long run into two that
 # each fit a device call with room to spare.
-# $OUT gets 10 logs and this run's results JSON (bench/run.py's, hf_finetune-large-<gpu>-<date>.json, and
+# $OUT gets 11 logs and this run's results JSON (bench/run.py's, hf_finetune-large-<gpu>-<date>.json, and
 # bench_fsdp2.py's fsdp2-<gpu>-<date>.json and fsdp2-large-...): gpu_build,
 # gpu_cpp_tests, gpu_py_tests, gpu_bench (headline), gpu_bench_fp8 (float8 vs
 # bf16, bench/bench_fp8.py, ~30-60 s), gpu_bench_lce (linear cross-entropy),
@@ -210,6 +210,13 @@ run_stage "benchmarks (fp8)" "$(cap_for 120 60)" "$OUTDIR/gpu_bench_fp8.log" \
 stamp "benchmarks (GPU): linear cross-entropy"
 run_stage "benchmarks (linear cross-entropy)" "$(cap_for 120 30)" "$OUTDIR/gpu_bench_lce.log" \
   "$PY" bench/run.py --device cuda --results-dir "$RESULTS" --only linear_cross_entropy
+# Issue 52: the fused transformer-block ops (norms with the residual, bias +
+# GELU, SwiGLU, rotary) against torch eager at 8192 x {768, 2048, 4096},
+# bf16 and fp32, forward + backward, with each one's bandwidth against a
+# device copy; a few seconds.
+stamp "benchmarks (GPU): block ops"
+run_stage "benchmarks (block ops)" "$(cap_for 120 30)" "$OUTDIR/gpu_bench_block_ops.log" \
+  "$PY" bench/run.py --device cuda --results-dir "$RESULTS" --only block_ops
 # Issue 51: fine-tuning a ~200M-parameter Llama from a Hugging Face folder,
 # the CLI (model.pretrained) against the Hugging Face Trainer and a plain
 # loop, bf16, 30 steps each; only where the box has transformers.

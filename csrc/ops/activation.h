@@ -10,9 +10,10 @@
 // first, as the unfused F.gelu(x + b) rounds it: "none" is x Phi(x) =
 // x/2 (1 + erf(x / sqrt 2)), "tanh" x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715
 // x^3))), torch's two forms. Its backward recomputes the sum and returns
-// grad_input and grad_bias = grad_input summed over every dimension but the
-// last (fixed blocks of rows in fp32, then the blocks in order, as Note
-// [Fused norms]). swiglu(a, b) = silu(a) * b = a sigmoid(a) b, rounded once;
+// grad_input and grad_bias: the fp32 values of grad_input (before their
+// rounding to the input's dtype) summed over every dimension but the last,
+// in fixed blocks of rows in fp32, then the blocks in order (as Note [Fused
+// norms]); the unfused form sums the rounded ones. swiglu(a, b) = silu(a) * b = a sigmoid(a) b, rounded once;
 // without b, a's last dimension holds [gate | up] halves, Liger's and
 // Llama's fused gate_up projection. Its backward:
 //   grad_a = g b sigmoid(a) (1 + a (1 - sigmoid(a))),  grad_b = g silu(a).
