@@ -59,6 +59,22 @@ inline void store(c10::Half* p, F x) {
                    _mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+// x rounded to bf16 / fp16 and widened back, in registers: load(store(x))
+// without the trip through memory, the same bits (NaN made 0x7fc0 as store()
+// makes it).
+inline F round_bf16(F x) {
+  const __m256i u = _mm256_castps_si256(x.v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb),
+                               _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x.v, x.v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc00000), nan);
+  return {_mm256_castsi256_ps(r)};
+}
+inline F round_half(F x) {
+  return {_mm256_cvtph_ps(_mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))};
+}
+
 // Lanes that each hold a value of T exactly (loaded from T): float and fp16
 // as store(), bf16 by truncation instead of rounding, so that a NaN keeps its
 // bits (store() canonicalises it, as c10's conversion does).

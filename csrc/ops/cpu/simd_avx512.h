@@ -58,6 +58,22 @@ inline void store(c10::Half* p, F x) {
                       _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+// x rounded to bf16 / fp16 and widened back, in registers: load(store(x))
+// without the trip through memory, the same bits (NaN made 0x7fc0 as store()
+// makes it).
+inline F round_bf16(F x) {
+  const __m512i u = _mm512_castps_si512(x.v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb),
+                               _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q),
+                            _mm512_set1_epi32(0x7fc00000));
+  return {_mm512_castsi512_ps(r)};
+}
+inline F round_half(F x) {
+  return {_mm512_cvtph_ps(_mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))};
+}
+
 // Lanes that each hold a value of T exactly (loaded from T): float and fp16
 // as store(), bf16 by truncation instead of rounding, so that a NaN keeps its
 // bits (store() canonicalises it, as c10's conversion does).
