@@ -146,8 +146,8 @@ void check_norm(const NormCase& c) {
   const at::Tensor mg = c.rms ? at::zeros({a, b, 1}, at::kDouble) : g.mean(-1, true);
   const at::Tensor gi = dbl(rstd_cpu).unsqueeze(-1) * (g - mg - xhat * (g * xhat).mean(-1, true)) +
                         (gr ? dbl(*gr) : at::zeros({1}, at::kDouble));
-  const at::Tensor gw = (dbl(go) * xhat).sum({0, 1});
-  const at::Tensor gb = dbl(go).sum({0, 1});
+  const at::Tensor gw = (dbl(go) * xhat).sum(at::IntArrayRef{0, 1});
+  const at::Tensor gb = dbl(go).sum(at::IntArrayRef{0, 1});
   // The GPU's summation errors: the row sums of g and g xhat (times rstd
   // and |xhat|), and the column sums of the a * b rows (row groups, then a
   // fixed tree).
@@ -180,7 +180,7 @@ void check_norm(const NormCase& c) {
       std::tie(gi_gpu, gw_gpu, gb_gpu) = run();
       gw_again = std::get<1>(run());
       check_cuda_vs_cpu("grad_bias", gb_gpu, gb_cpu, gb,
-                        rows_bound * max_of(dbl(go).abs().sum({0, 1})));
+                        rows_bound * max_of(dbl(go).abs().sum(at::IntArrayRef{0, 1})));
     }
     if (want_input) {
       check_cuda_vs_cpu("grad_input", gi_gpu, gi_cpu, gi, gi_sum_error);
@@ -188,7 +188,7 @@ void check_norm(const NormCase& c) {
       CHECK_FALSE(gi_gpu.defined());
     }
     check_cuda_vs_cpu("grad_weight", gw_gpu, gw_cpu, gw,
-                      rows_bound * max_of((dbl(go) * xhat).abs().sum({0, 1})));
+                      rows_bound * max_of((dbl(go) * xhat).abs().sum(at::IntArrayRef{0, 1})));
     // No float atomics: the same bits on every run.
     CHECK(at::equal(gw_gpu, gw_again));
   }
@@ -282,7 +282,7 @@ TEST_CASE("CUDA bias_gelu matches the CPU op", "[cuda][activation]") {
   const at::Tensor d = dbl(go) * dy;
   check_cuda_vs_cpu("grad_input", gi_gpu, gi_cpu, d);
   if (bias) {
-    check_cuda_vs_cpu("grad_bias", gb_gpu, gb_cpu, d.sum({0, 1}));
+    check_cuda_vs_cpu("grad_bias", gb_gpu, gb_cpu, d.sum(at::IntArrayRef{0, 1}));
     const auto [no_input, gb_again] = run({false, true});
     CHECK_FALSE(no_input.defined());
     CHECK(at::equal(gb_gpu, gb_again));

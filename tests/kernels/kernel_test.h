@@ -8,6 +8,8 @@
 #include <catch2/catch.hpp>
 
 #include <cstdint>
+#include <iomanip>
+#include <sstream>
 #include <limits>
 #include <string>
 
@@ -115,6 +117,48 @@ inline double unit_roundoff(at::ScalarType dtype) {
     default:
       return std::ldexp(1.0, -24);
   }
+}
+
+/// The smallest positive value of a type: the floor of an ulp.
+inline double tiny(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf:
+      return 0x1p-24;
+    case at::kBFloat16:
+      return 0x1p-133;
+    default:
+      return 0x1p-149;
+  }
+}
+
+inline at::Tensor dbl(const at::Tensor& t) { return t.to(at::kDouble); }
+
+/// One ulp of `type` at the larger magnitude of a and b.
+inline at::Tensor ulp_gap(const at::Tensor& a, const at::Tensor& b, at::ScalarType type) {
+  return 2 * unit_roundoff(type) * at::maximum(dbl(a).abs(), dbl(b).abs()) + tiny(type);
+}
+
+/// |got - want| <= tol everywhere, NaN where the reference has NaN (and
+/// got's dtype want's, unless want is a float64 reference); reports the
+/// count and the first element outside the bound.
+inline void check_within(const char* what, const at::Tensor& got, const at::Tensor& want,
+                         const at::Tensor& tol) {
+  REQUIRE(got.sizes() == want.sizes());
+  if (want.scalar_type() != at::kDouble) REQUIRE(got.scalar_type() == want.scalar_type());
+  const at::Tensor diff = (dbl(got) - dbl(want)).abs();
+  const at::Tensor bad = (diff > tol).logical_or(got.isnan() != want.isnan());
+  const int64_t n_bad = bad.sum().item<int64_t>();
+  std::ostringstream first;
+  if (n_bad > 0) {
+    const int64_t i = bad.reshape(-1).nonzero()[0][0].item<int64_t>();
+    first << std::setprecision(9) << ", the first at " << i << ": "
+          << dbl(got).reshape(-1)[i].item<double>() << " vs "
+          << dbl(want).reshape(-1)[i].item<double>() << ", bound "
+          << tol.expand_as(diff).reshape(-1)[i].item<double>();
+  }
+  INFO(what << ": " << n_bad << " of " << got.numel() << " elements outside the bound"
+            << first.str());
+  CHECK(n_bad == 0);
 }
 
 }  // namespace kernel_test

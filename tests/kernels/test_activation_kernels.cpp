@@ -52,48 +52,16 @@ using fusetrain::kernels::launch_bias_gelu_forward;
 using fusetrain::kernels::launch_swiglu_backward;
 using fusetrain::kernels::launch_swiglu_forward;
 using fusetrain::kernels::SwigluRows;
+using kernel_test::check_within;
+using kernel_test::dbl;
 using kernel_test::float_type;
+using kernel_test::tiny;
+using kernel_test::ulp_gap;
 using kernel_test::unit_roundoff;
 
 constexpr double kU = 0x1p-24;
 constexpr double kTanhScale = 0.79788456080286535588;  // sqrt(2 / pi)
 constexpr double kTanhCubic = 0.044715;
-
-double tiny(at::ScalarType t) {
-  switch (t) {
-    case at::kHalf:
-      return 0x1p-24;
-    case at::kBFloat16:
-      return 0x1p-133;
-    default:
-      return 0x1p-149;
-  }
-}
-
-at::Tensor dbl(const at::Tensor& t) { return t.to(at::kDouble); }
-
-at::Tensor ulp_gap(const at::Tensor& a, const at::Tensor& b, at::ScalarType type) {
-  return 2 * unit_roundoff(type) * at::maximum(dbl(a).abs(), dbl(b).abs()) + tiny(type);
-}
-
-void check_within(const char* what, const at::Tensor& got, const at::Tensor& want,
-                  const at::Tensor& tol) {
-  REQUIRE(got.sizes() == want.sizes());
-  const at::Tensor diff = (dbl(got) - dbl(want)).abs();
-  const at::Tensor bad = (diff > tol).logical_or(got.isnan() != want.isnan());
-  const int64_t n_bad = bad.sum().item<int64_t>();
-  std::ostringstream first;
-  if (n_bad > 0) {
-    const int64_t i = bad.reshape(-1).nonzero()[0][0].item<int64_t>();
-    first << std::setprecision(9) << ", the first at " << i << ": "
-          << dbl(got).reshape(-1)[i].item<double>() << " vs "
-          << dbl(want).reshape(-1)[i].item<double>() << ", bound "
-          << tol.expand_as(diff).reshape(-1)[i].item<double>();
-  }
-  INFO(what << ": " << n_bad << " of " << got.numel() << " elements outside the bound"
-            << first.str());
-  CHECK(n_bad == 0);
-}
 
 // An array `offset` elements past a 64-byte boundary, a sentinel before it.
 struct Buffer {

@@ -53,7 +53,11 @@ using fusetrain::kernels::launch_norm_backward;
 using fusetrain::kernels::launch_norm_forward;
 using fusetrain::kernels::NormBackwardArgs;
 using fusetrain::kernels::NormForwardArgs;
+using kernel_test::check_within;
+using kernel_test::dbl;
 using kernel_test::float_type;
+using kernel_test::tiny;
+using kernel_test::ulp_gap;
 using kernel_test::unit_roundoff;
 
 constexpr double kU = 0x1p-24;
@@ -67,45 +71,6 @@ double sum_bound(int64_t width) {
   const double w = static_cast<double>(width);
   return (std::ceil(w / threads) + std::log2(threads) + threads / 32.0 + std::ceil(w / 16) + 8) *
          kU;
-}
-
-// The smallest positive value of a type: the floor of an ulp.
-double tiny(at::ScalarType t) {
-  switch (t) {
-    case at::kHalf:
-      return 0x1p-24;
-    case at::kBFloat16:
-      return 0x1p-133;
-    default:
-      return 0x1p-149;
-  }
-}
-
-at::Tensor dbl(const at::Tensor& t) { return t.to(at::kDouble); }
-
-// One ulp of `type` at the larger magnitude of a and b.
-at::Tensor ulp_gap(const at::Tensor& a, const at::Tensor& b, at::ScalarType type) {
-  return 2 * unit_roundoff(type) * at::maximum(dbl(a).abs(), dbl(b).abs()) + tiny(type);
-}
-
-// |got - want| <= tol everywhere, NaN where the reference has NaN.
-void check_within(const char* what, const at::Tensor& got, const at::Tensor& want,
-                  const at::Tensor& tol) {
-  REQUIRE(got.sizes() == want.sizes());
-  REQUIRE(got.scalar_type() == want.scalar_type());
-  const at::Tensor diff = (dbl(got) - dbl(want)).abs();
-  const at::Tensor bad = (diff > tol).logical_or(got.isnan() != want.isnan());
-  const int64_t n_bad = bad.sum().item<int64_t>();
-  std::ostringstream first;
-  if (n_bad > 0) {
-    const int64_t i = bad.reshape(-1).nonzero()[0][0].item<int64_t>();
-    first << std::setprecision(9) << ", the first at " << i << ": "
-          << dbl(got).reshape(-1)[i].item<double>() << " vs "
-          << dbl(want).reshape(-1)[i].item<double>() << ", bound "
-          << tol.expand_as(diff).reshape(-1)[i].item<double>();
-  }
-  INFO(what << ": " << n_bad << " of " << got.numel() << " elements outside the bound" << first.str());
-  CHECK(n_bad == 0);
 }
 
 enum class Param { kNone, kFloat32, kInputType };

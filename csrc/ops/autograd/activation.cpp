@@ -3,6 +3,8 @@
 // autograd/norm.cpp does for the norms.
 #include <fusetrain/ops/activation.h>
 
+#include "optional_inputs.h"
+
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -12,19 +14,10 @@ namespace fusetrain::ops {
 
 namespace {
 
+using autograd::maybe;
+using autograd::present;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-std::optional<at::Tensor> maybe(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-}
-
-// Absent tensors go to Function::apply as std::nullopt and have no edge
-// (Note [Optional inputs of C++ autograd Functions] in norm.cpp): the bias,
-// the second tensor, is edge 1 when given.
-std::optional<at::Tensor> present(const std::optional<at::Tensor>& t) {
-  return t.has_value() && t->defined() ? t : std::nullopt;
-}
 
 class BiasGeluFunction : public torch::autograd::Function<BiasGeluFunction> {
  public:

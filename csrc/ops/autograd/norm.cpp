@@ -6,6 +6,8 @@
 // land in the traced graph.
 #include <fusetrain/ops/norm.h>
 
+#include "optional_inputs.h"
+
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -13,17 +15,10 @@ namespace fusetrain::ops {
 
 namespace {
 
+using autograd::maybe;
+using autograd::present;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-std::optional<at::Tensor> maybe(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
-}
-
-// An optional tensor argument given but undefined (None from C++) is absent.
-std::optional<at::Tensor> present(const std::optional<at::Tensor>& t) {
-  return t.has_value() && t->defined() ? t : std::nullopt;
-}
 
 // What both norms' backwards share: grads[0] is out's gradient, grads[1]
 // residual_out's (either may be undefined: an output nobody used).
@@ -36,14 +31,11 @@ NormGrads norm_grads(const variable_list& grads, bool has_residual) {
   return {grads[0], has_residual ? maybe(grads[1]) : std::nullopt};
 }
 
-// Note [Optional inputs of C++ autograd Functions]
-// Function::apply takes an absent tensor as std::optional (an undefined
-// at::Tensor argument fails in torch's bookkeeping of the inputs), and then
-// the absent ones have no edge: ctx->needs_input_grad(k) counts only the
-// tensors given. EdgeIndex numbers them in argument order.
+// The edges of the tensors given (Note [Optional inputs of C++ autograd
+// Functions] in optional_inputs.h), numbered in argument order.
 struct EdgeIndex {
   int next = 0;
-  int of(bool present) { return present ? next++ : -1; }
+  int of(bool is_given) { return is_given ? next++ : -1; }
 };
 
 bool needs(AutogradContext* ctx, int64_t edge) { return edge >= 0 && ctx->needs_input_grad(edge); }

@@ -6,6 +6,8 @@
 // refuses it on tensors that require grad).
 #include <fusetrain/ops/rotary.h>
 
+#include "optional_inputs.h"
+
 #include <torch/autograd.h>
 #include <torch/library.h>
 
@@ -13,13 +15,14 @@ namespace fusetrain::ops {
 
 namespace {
 
+using autograd::present;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 class RotaryFunction : public torch::autograd::Function<RotaryFunction> {
  public:
   // Absent tensors as std::nullopt (Note [Optional inputs of C++ autograd
-  // Functions] in autograd/norm.cpp).
+  // Functions] in optional_inputs.h).
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q,
                                const std::optional<at::Tensor>& k, const at::Tensor& cos,
                                const at::Tensor& sin, bool interleaved, bool inverse) {
@@ -57,9 +60,7 @@ std::tuple<at::Tensor, at::Tensor> rotary_autograd(const at::Tensor& q,
                                                    const std::optional<at::Tensor>& k,
                                                    const at::Tensor& cos, const at::Tensor& sin,
                                                    bool interleaved, bool inverse) {
-  const std::optional<at::Tensor> k_given =
-      k.has_value() && k->defined() ? k : std::optional<at::Tensor>();
-  const auto outs = RotaryFunction::apply(q, k_given, cos, sin, interleaved, inverse);
+  const auto outs = RotaryFunction::apply(q, present(k), cos, sin, interleaved, inverse);
   return {outs[0], outs[1]};
 }
 
