@@ -315,8 +315,11 @@ class GptBlockImpl : public nn::Module {
     const Normed a = add_layer_norm(branch, residual, *ln1, gemm_dtype);
     const Normed m = add_layer_norm(dropout(proj.forward(attention(a.out))), a.residual, *ln2,
                                     gemm_dtype);
+    // fc's bias on the GELU in float32; in bf16 the erf GELU is compute-bound
+    // and torch's (after a GEMM that adds the bias) is as fast on a CPU
+    // (docs/benchmarks.md), so it stays torch's there.
     at::Tensor hidden;
-    if (plain) {
+    if (plain && !gemm_dtype.has_value()) {
       auto& linear = *fc.ptr()->as<nn::LinearImpl>();
       hidden = fusetrain::nn::gelu(at::linear(m.out, linear.weight), "none", linear.bias);
     } else {
