@@ -538,3 +538,41 @@ def test_rotary_compiles_fullgraph():
         fn(qi, ki).backward()
         grads.append((qi.grad, ki.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+# --------------------------------------------------------------- registration
+
+FORWARD_OPS = {"layer_norm": "norm", "rms_norm": "norm", "bias_gelu": "activation",
+               "swiglu": "activation", "rotary": "rotary"}
+BACKWARD_OPS = ("layer_norm_backward", "rms_norm_backward", "bias_gelu_backward", "swiglu_backward")
+
+
+def dispatch_rows(name):
+    table = torch._C._dispatch_dump_table(f"fusetrain::{name}")
+    return dict(line.split(": ", 1) for line in table.splitlines() if ": " in line)
+
+
+@pytest.mark.parametrize("name", list(FORWARD_OPS) + list(BACKWARD_OPS) + ["rotary_"])
+def test_every_backend_reaches_a_kernel(name):
+    """CPU and Meta kernels of ours (CUDA too in a CUDA build), the ATen
+    composition for every other backend (Note [Device-generic ops])."""
+    from fusetrain import _C
+
+    rows = dispatch_rows(name)
+    for key in ("CPU", "Meta"):
+        assert rows[key].endswith("[kernel]") and "generic" not in rows[key], (key, rows[key])
+    if "CUDA" in rows:
+        assert "cuda" in rows["CUDA"] or name.startswith("rotary"), rows["CUDA"]
+    for key in ("PrivateUse1", "XPU", "MPS"):
+        assert "generic_transformer.cpp" in rows[key], (key, rows[key])
+
+
+@pytest.mark.parametrize("name", FORWARD_OPS)
+def test_each_backward_is_registered_once_at_the_autograd_key(name):
+    """Every backend's autograd runs the one Function of csrc/ops/autograd/
+    (no Python twin); the backward ops themselves are not differentiable."""
+    rows = dispatch_rows(name)
+    for key in ("AutogradCPU", "AutogradCUDA", "AutogradPrivateUse1"):
+        assert f"autograd/{FORWARD_OPS[name]}.cpp" in rows[key], (key, rows[key])
+    for backward in BACKWARD_OPS:
+        assert "autograd/" not in dispatch_rows(backward).get("AutogradCPU", "")
