@@ -52,8 +52,11 @@ def layer_norm(
     *,
     out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """``torch.nn.functional.layer_norm``: one pass each way, fp32
-    statistics; ``out_dtype`` (keyword) stores the output in another dtype
+    """``torch.nn.functional.layer_norm(input, normalized_shape, weight,
+    bias, eps)``: ``input`` normalised over its last ``normalized_shape``
+    dimensions, times ``weight`` plus ``bias`` (each of normalized_shape, or
+    None), ``eps`` added to the variance; one pass each way, fp32
+    statistics. ``out_dtype`` (keyword) stores the output in another dtype
     (the next GEMM's), rounded once."""
     if not _fused(input, weight, bias):
         out = F.layer_norm(input, _shape(normalized_shape), weight, bias, eps)
@@ -70,8 +73,11 @@ def rms_norm(
     *,
     out_dtype: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
-    """``torch.nn.functional.rms_norm`` (``eps`` None: the input dtype's
-    machine epsilon, as torch's), one pass each way, fp32 statistics."""
+    """``torch.nn.functional.rms_norm(input, normalized_shape, weight,
+    eps)``: ``input`` over the root mean square of its last
+    ``normalized_shape`` dimensions, times ``weight`` (or None); ``eps`` None
+    is the input dtype's machine epsilon, as torch's. One pass each way, fp32
+    statistics; ``out_dtype`` as :func:`layer_norm`'s."""
     if not _fused(input, weight):
         out = F.rms_norm(input, _shape(normalized_shape), weight, eps)
         return out if out_dtype is None else out.to(out_dtype)
@@ -89,9 +95,10 @@ def add_layer_norm(
     *,
     out_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(layer_norm(s), s)`` with ``s = input + residual`` in one pass: the
-    pre-norm block's residual add and norm. ``s`` (the input's dtype) is the
-    next residual; both outputs carry gradients."""
+    """``(layer_norm(s, normalized_shape, weight, bias, eps), s)`` with
+    ``s = input + residual`` in one pass: the pre-norm block's residual add
+    and norm. ``s`` (the input's dtype) is the next residual; both outputs
+    carry gradients; ``out_dtype`` as :func:`layer_norm`'s."""
     if not _fused(input, residual, weight, bias) or residual.dtype != input.dtype:
         s = input + residual
         return layer_norm(s, normalized_shape, weight, bias, eps, out_dtype=out_dtype), s
@@ -109,7 +116,9 @@ def add_rms_norm(
     *,
     out_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(s), s)`` with ``s = input + residual`` in one pass."""
+    """``(rms_norm(s, normalized_shape, weight, eps), s)`` with
+    ``s = input + residual`` in one pass; ``out_dtype`` as
+    :func:`layer_norm`'s."""
     if not _fused(input, residual, weight) or residual.dtype != input.dtype:
         s = input + residual
         return rms_norm(s, normalized_shape, weight, eps, out_dtype=out_dtype), s
