@@ -181,10 +181,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_forward(
   const auto f32 = input.options().dtype(at::kFloat);
   at::Tensor out = at::empty(input.sizes(), input.options().dtype(s.out_dtype));
   at::Tensor sum = residual.defined() ? at::empty_like(input) : at::empty({0}, input.options());
-  at::Tensor mean = at::empty(stat_shape, f32);
+  // RMS norm has no mean: undefined, and rms_norm_cpu drops it.
+  at::Tensor mean = kRms ? at::Tensor() : at::empty(stat_shape, f32);
   at::Tensor rstd = at::empty(stat_shape, f32);
   if (s.rows == 0) {
-    mean.zero_();
+    if (!kRms) mean.zero_();
     rstd.fill_(1.0 / std::sqrt(eps));  // an empty row's variance is 0
     return {out, sum, mean, rstd};
   }
@@ -212,7 +213,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_forward(
       }
     });
   });
-  if (kRms) mean.zero_();
   return {out, sum, mean, rstd};
 }
 
